@@ -1,0 +1,5 @@
+"""Python side of the comera operators: fakes (for torch.compile) and
+autograd registrations.  Importing this module loads the compiled library."""
+from comera.ops.linear import tt_linear, tt_linear_plan
+
+__all__ = ["tt_linear", "tt_linear_plan"]

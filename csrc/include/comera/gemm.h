@@ -1,0 +1,60 @@
+/* comera's own small GEMM: C (+)= A * B on strided row/column operands.
+ *
+ * The TT kernels need skinny products (one side is a TT rank, 1..~128) where
+ * general BLAS libraries lose much of their speed, and the C library links no
+ * BLAS.  B is packed once into 16-column panels (reused across row blocks);
+ * A is read in place through (row stride, column stride), so transposed views
+ * cost nothing.  All functions here are single-threaded: callers split rows
+ * across OpenMP threads.  Plain C ABI, no torch headers.
+ */
+#ifndef COMERA_GEMM_H
+#define COMERA_GEMM_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Width of a packed B panel, in columns. */
+#define COMERA_GEMM_NR 16
+
+/* Number of elements a packed copy of a K x N operand needs. */
+int64_t comera_gemm_packed_size(int64_t K, int64_t N);
+
+/* Packs B (K x N, element (k, n) at B[k * rsb + n * csb]) into panels. */
+void comera_gemm_pack_b_f32(int64_t K, int64_t N, const float *B,
+                            int64_t rsb, int64_t csb, float *packed);
+void comera_gemm_pack_b_f64(int64_t K, int64_t N, const double *B,
+                            int64_t rsb, int64_t csb, double *packed);
+
+/* C (M x N, row stride ldc) = A * Bp, or C += A * Bp when accumulate != 0.
+ * A is M x K with element (m, k) at A[m * rsa + k * csa]; Bp was packed by
+ * comera_gemm_pack_b_* with the same K and N.  K == 0 gives C = 0 (or C
+ * unchanged when accumulating). */
+void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
+                            const float *A, int64_t rsa, int64_t csa,
+                            const float *Bp, float *C, int64_t ldc,
+                            int accumulate);
+void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
+                            const double *A, int64_t rsa, int64_t csa,
+                            const double *Bp, double *C, int64_t ldc,
+                            int accumulate);
+
+/* Unpacked convenience form for small or one-off products: packs B into a
+ * temporary when the product is large enough to pay for it.  Returns 0, or
+ * -3 when the temporary cannot be allocated. */
+int comera_gemm_f32(int64_t M, int64_t N, int64_t K,
+                    const float *A, int64_t rsa, int64_t csa,
+                    const float *B, int64_t rsb, int64_t csb,
+                    float *C, int64_t ldc, int accumulate);
+int comera_gemm_f64(int64_t M, int64_t N, int64_t K,
+                    const double *A, int64_t rsa, int64_t csa,
+                    const double *B, int64_t rsb, int64_t csb,
+                    double *C, int64_t ldc, int accumulate);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

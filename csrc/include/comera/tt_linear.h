@@ -1,0 +1,114 @@
+/* Tensor-train linear layer kernels: C ABI.
+ *
+ * Layout (DESIGN.md section 2): D = p + q cores, input side first.  Core k
+ * (0-based) is a contiguous (r[k], dims[k], r[k+1]) array, dims = in_modes
+ * followed by out_modes, r[0] = r[D] = 1.  Gate k (k < D - 1) scales the
+ * last rank index of core k.  W^T = V U with V = merge(cores 0..p-1), shape
+ * (prod in_modes, r[p]), and U = merge(cores p..D-1), shape
+ * (r[p], prod out_modes).  Only the first in_features rows of V and the
+ * first out_features columns of U are real; the rest is padding that the
+ * kernels never read from x nor write to y.
+ *
+ * Two evaluation paths:
+ *
+ *   MERGE       build V and U once per call (batch independent), then per
+ *               row block T = x V, y = T U + b; backward S = dy U^T,
+ *               dx = S V^T, dU += T^T dy, dV += x^T S, then back through the
+ *               merges.  Batch cost 6 B r (in + out) flops.
+ *   SEQUENTIAL  contract each row with the cores one at a time and never
+ *               build V or U.  No batch-independent work, but more flops per
+ *               row whenever the inner ranks exceed the mode sizes.
+ *
+ * Planner cost model: for each path, forward + backward flops F and the
+ * bytes B that must cross main memory (x, y, dy, dx and the cores, read or
+ * written once each, plus V and U for MERGE).  The modelled time is
+ *     max(F / (eff * FLOPS), B / BANDWIDTH)
+ * with FLOPS = 1e11, BANDWIDTH = 2e10 (two-core calibration) and eff = 1 for
+ * MERGE, whose batch work runs on the packed micro-kernel, and 0.15 for
+ * SEQUENTIAL, whose per-row products are too small for it.  The path with
+ * the lower time wins; ties go to MERGE.
+ */
+#ifndef COMERA_TT_LINEAR_H
+#define COMERA_TT_LINEAR_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+    COMERA_OK = 0,
+    COMERA_ERR_ARG = -1,
+    COMERA_ERR_OVERFLOW = -2,
+    COMERA_ERR_NOMEM = -3
+};
+
+enum {
+    COMERA_PATH_AUTO = 0,
+    COMERA_PATH_MERGE = 1,
+    COMERA_PATH_SEQUENTIAL = 2
+};
+
+#define COMERA_MAX_CORES 16
+
+typedef struct comera_tt_linear_desc {
+    int32_t num_in;           /* p >= 1 */
+    int32_t num_out;          /* q >= 1 */
+    const int64_t *in_modes;  /* p entries, each >= 1 */
+    const int64_t *out_modes; /* q entries, each >= 1 */
+    const int64_t *ranks;     /* p + q + 1 entries, first and last 1 */
+    int64_t in_features;      /* 1 <= in_features <= prod(in_modes) */
+    int64_t out_features;     /* 1 <= out_features <= prod(out_modes) */
+} comera_tt_linear_desc;
+
+typedef struct comera_tt_linear_plan {
+    int32_t path;     /* COMERA_PATH_MERGE or COMERA_PATH_SEQUENTIAL */
+    double flops[3];  /* indexed by path; [0] unused */
+    double bytes[3];
+    double seconds[3];
+} comera_tt_linear_plan;
+
+/* Validates a descriptor: counts, positive sizes, and that every size the
+ * kernels compute (products of modes and ranks, workspace sizes for `batch`
+ * rows) fits in int64 without overflow.  Returns COMERA_OK or an error. */
+int comera_tt_linear_check(const comera_tt_linear_desc *d, int64_t batch);
+
+/* Fills *plan for `batch` rows.  Returns COMERA_OK or an error code. */
+int comera_tt_linear_make_plan(const comera_tt_linear_desc *d, int64_t batch,
+                               comera_tt_linear_plan *plan);
+
+/* y (batch x out_features) = x (batch x in_features) W^T + bias; also writes
+ * t (batch x r[p]) = x V, which the backward reuses.  bias may be NULL.
+ * path may be COMERA_PATH_AUTO.  nthreads <= 0 means one thread. */
+int comera_tt_linear_fwd_f32(const comera_tt_linear_desc *d, int path,
+                             int64_t batch, const float *x,
+                             const float *const *cores,
+                             const float *const *gates, const float *bias,
+                             float *y, float *t, int nthreads);
+int comera_tt_linear_fwd_f64(const comera_tt_linear_desc *d, int path,
+                             int64_t batch, const double *x,
+                             const double *const *cores,
+                             const double *const *gates, const double *bias,
+                             double *y, double *t, int nthreads);
+
+/* Gradients: dx (batch x in_features, may be NULL to skip), dcores[k]
+ * shaped like core k, dgates[k] like gate k, dbias (may be NULL).  All
+ * outputs are overwritten, not accumulated. */
+int comera_tt_linear_bwd_f32(const comera_tt_linear_desc *d, int path,
+                             int64_t batch, const float *dy, const float *x,
+                             const float *t, const float *const *cores,
+                             const float *const *gates, float *dx,
+                             float *const *dcores, float *const *dgates,
+                             float *dbias, int nthreads);
+int comera_tt_linear_bwd_f64(const comera_tt_linear_desc *d, int path,
+                             int64_t batch, const double *dy, const double *x,
+                             const double *t, const double *const *cores,
+                             const double *const *gates, double *dx,
+                             double *const *dcores, double *const *dgates,
+                             double *dbias, int nthreads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

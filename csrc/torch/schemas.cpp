@@ -1,0 +1,20 @@
+// Every comera operator schema, in one place.  Implementations are registered
+// per device in the *_cpu.cpp (and *_cuda.cpp) files; fakes and autograd are
+// registered from Python (comera/ops/).
+#include <torch/library.h>
+
+TORCH_LIBRARY(comera, m) {
+    // y = x W^T + bias for a TT weight; also returns t = x V (batch x r_mid)
+    // that the backward reuses.  path: 0 auto (planner), 1 merge, 2 sequential.
+    m.def("tt_linear(Tensor x, Tensor[] cores, Tensor[] gates, Tensor? bias, "
+          "int num_in_cores, int out_features, int path) -> (Tensor, Tensor)");
+    // Gradients of tt_linear; grad_x is empty when needs_input_grad is false,
+    // grad_bias is empty when has_bias is false.
+    m.def("tt_linear_backward(Tensor grad_y, Tensor x, Tensor t, Tensor[] cores, "
+          "Tensor[] gates, bool has_bias, bool needs_input_grad, int num_in_cores, "
+          "int out_features, int path) -> (Tensor, Tensor[], Tensor[], Tensor)");
+    // The planner's verdict for `batch` rows as a float64 tensor:
+    // [path, flops_merge, bytes_merge, seconds_merge, flops_seq, bytes_seq, seconds_seq]
+    m.def("tt_linear_plan(int[] in_modes, int[] out_modes, int[] ranks, "
+          "int in_features, int out_features, int batch) -> Tensor");
+}
