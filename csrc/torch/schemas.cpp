@@ -17,4 +17,8 @@ TORCH_LIBRARY(comera, m) {
     // [path, flops_merge, bytes_merge, seconds_merge, flops_seq, bytes_seq, seconds_seq]
     m.def("tt_linear_plan(int[] in_modes, int[] out_modes, int[] ranks, "
           "int in_features, int out_features, int batch) -> Tensor");
+
+    // --- tt_embedding (TTEmbedding) ---
+
+    // --- rank adaptation (gate proximal step) ---
 }

@@ -1,0 +1,44 @@
+# Two entry points for a fresh machine (see README): `make demo`, `make test`.
+# Both create .venv, install torch pinned (a CPU build on local disk) first,
+# then the package with its extras.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.comera-installed
+
+.PHONY: all demo test test-python test-c test-sanitize check-cuda bench clean
+
+all: test
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+$(STAMP): $(VPY) setup.py pyproject.toml $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*/*.h csrc/torch/*.cpp csrc/cuda/*.cu)
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q --no-build-isolation -e ".[test,train]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/demo_mlp.py
+
+test: test-c test-python
+
+test-python: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+test-c:
+	$(MAKE) -C tests/c test
+
+test-sanitize:
+	$(MAKE) -C tests/c test-sanitize
+
+bench: $(STAMP)
+	$(VPY) benchmarks/bench_linear.py
+
+clean:
+	rm -rf build *.egg-info comera/_C*.so tests/c/build
