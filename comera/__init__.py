@@ -9,6 +9,9 @@ Quick start:
 from comera import _C  # noqa: F401  (loads and registers the operators)
 from comera import ops
 from comera.linear import TTLinear
+from comera.convert import convert, to_dense
+from comera.io import load, save
 
 __version__ = "0.1.0"
 __all__ = ["TTLinear", "ops"]
+__all__ += ["convert", "to_dense", "save", "load"]
