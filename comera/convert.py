@@ -193,7 +193,12 @@ def _finish(layer: _Layer) -> None:
     """Bias, requires_grad and train/eval mode carried over from the dense layer."""
     old, new = layer.module, layer.new
     if layer.kind == "linear" and old.bias is not None:
-        new.bias = old.bias  # the same Parameter: a bias shared with another module stays shared
+        if old.bias.dtype == new.cores[0].dtype:
+            new.bias = old.bias  # the same Parameter: a bias shared with another module stays shared
+        else:                    # a half-precision layer: the TT layer keeps a float32 copy
+            with torch.no_grad():
+                new.bias.copy_(old.bias)
+            new.bias.requires_grad_(old.bias.requires_grad)
     trainable = old.weight.requires_grad
     for p in list(new.cores) + list(new.gates):
         p.requires_grad_(trainable)
