@@ -9,6 +9,7 @@ from torch import nn
 
 import comera
 from comera.tied import TiedTTLinear
+from ttm_standin import StandInTTM, table_by_entries
 
 HAS_TT_EMBEDDING = hasattr(comera, "TTEmbedding")
 needs_tt_embedding = pytest.mark.skipif(not HAS_TT_EMBEDDING,
@@ -394,3 +395,33 @@ def test_hf_tie_is_kept_with_tt_embeddings(kind):
     word = getattr(model, p).embeddings.word_embeddings
     assert type(word) is nn.Embedding and head.decoder.weight is word.weight
     assert model.config.tie_word_embeddings is True
+
+
+# ----------------------------------------- TiedTTLinear (against a stand-in TTM)
+def test_tied_tt_linear_uses_the_embedding_table_and_trains_its_cores():
+    emb = StandInTTM(22, 12, [2, 3, 4], [2, 3, 2], [3, 2])        # 24 rows padded to 22
+    bias = nn.Parameter(torch.randn(22, dtype=torch.float64))
+    head = TiedTTLinear(emb, bias=bias)
+    assert [n for n, _ in head.named_parameters()] == ["bias"]      # the cores are not registered twice
+    assert list(head.state_dict()) == ["bias"]
+    table = table_by_entries(emb)
+    torch.testing.assert_close(head.weight, table)
+    x = torch.randn(5, 12, dtype=torch.float64)
+    y = head(x)
+    torch.testing.assert_close(y, x @ table.t() + bias)
+    y.square().sum().backward()
+    ref = StandInTTM(22, 12, [2, 3, 4], [2, 3, 2], [3, 2])
+    with torch.no_grad():
+        for p, q in zip(list(ref.cores) + list(ref.gates), list(emb.cores) + list(emb.gates)):
+            p.copy_(q)
+    (x @ table_by_entries(ref).t() + bias.detach()).square().sum().backward()
+    for c, r in zip(list(emb.cores) + list(emb.gates), list(ref.cores) + list(ref.gates)):
+        torch.testing.assert_close(c.grad, r.grad)
+
+
+def test_tied_tt_linear_rejects_bad_input():
+    head = TiedTTLinear(StandInTTM(8, 4, [2, 4], [2, 2], [2]))
+    with pytest.raises(ValueError, match="in_features=4"):
+        head(torch.randn(3, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="TT embedding"):
+        TiedTTLinear(nn.Embedding(8, 4))

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 import comera
+from comera.tied import TiedTTLinear
+from ttm_standin import StandInTTM
 
 
 def _tiny_bert(layers=1):
@@ -42,6 +44,19 @@ def test_compile_fullgraph_converted_bert_matches_eager():
     assert len(tt_grads) > 20                     # the TT layers are really in the graph
     for n in grads_e:
         torch.testing.assert_close(grads_c[n], grads_e[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_compile_fullgraph_tied_tt_head():
+    emb = StandInTTM(30, 8, [2, 4, 4], [2, 2, 2], [3, 3])
+    head = TiedTTLinear(emb, bias=nn.Parameter(torch.zeros(30, dtype=torch.float64)))
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    y_e = head(x)
+    y_c = torch.compile(head, fullgraph=True)(x)
+    torch.testing.assert_close(y_c, y_e)
+    g_e = torch.autograd.grad(y_e.sum(), list(emb.cores))
+    g_c = torch.autograd.grad(y_c.sum(), list(emb.cores))
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
 
 
 # ------------------------------------------------------------------------ AMP
