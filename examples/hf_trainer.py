@@ -63,6 +63,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--target", type=float, default=30.0, help="target compression of the TT layers")
     ap.add_argument("--out", default=None, help="output folder (default: a temporary one)")
     args = ap.parse_args()
@@ -75,7 +76,7 @@ def main():
     model = comera.convert(model, rank=args.rank)                                  # comera (1/2)
     print(comera.summary(model) if hasattr(comera, "summary") else model)
 
-    train_args = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=32,
+    train_args = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
                                    learning_rate=2e-3, warmup_steps=args.steps // 20, logging_steps=20,
                                    save_strategy="no", report_to=[], use_cpu=True,
                                    dataloader_num_workers=0)
@@ -89,7 +90,7 @@ def main():
     ra = callback.rank_adaptive
     print(f"stage {ra.stage}, ranks frozen: {ra.frozen}, compression of the TT layers: "
           f"{ra.compression():.1f}x (target {args.target}x)")
-    comera.prune(model)                         # cut the dead ranks for real
+    comera.prune(model)                          # cut the dead ranks for real
     path = os.path.join(out, "model.safetensors")
     comera.save(model, path)
     fresh = comera.convert(BertForMaskedLM(config), rank=args.rank)
