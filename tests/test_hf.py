@@ -82,6 +82,10 @@ def test_callback_equals_the_manual_two_stage_loop(tmp_path):
     assert cb.rank_adaptive.compression() == pytest.approx(ra.compression())
     assert ra.compression() > start                         # ranks were really cut
     for (name, p), q in zip(model.named_parameters(), manual.parameters()):
+        if name.endswith("attention.self.key.bias"):
+            # softmax ignores a per-query constant: this gradient is 0 up to rounding noise,
+            # which Adam's normalisation blows up to lr-sized steps of random sign
+            continue
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
     logged = [h for h in trainer.state.log_history if "comera_compression" in h]
     assert logged and logged[-1]["comera_stage"] == 2
