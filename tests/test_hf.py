@@ -46,7 +46,7 @@ class _Batches(torch.utils.data.Dataset):
 RA_KWARGS = dict(gamma=5e-3, threshold=5e-3, stage1_steps=4, stage2_steps=4, prune_every=3)
 
 
-def test_callback_equals_the_manual_two_stage_loop(tmp_path):
+def test_callback_equals_the_manual_two_stage_loop(tmp_path, capsys):
     steps, lr = 8, 5e-3
     model, manual = _model(), None
     manual = copy.deepcopy(model)
@@ -87,9 +87,11 @@ def test_callback_equals_the_manual_two_stage_loop(tmp_path):
             # which Adam's normalisation blows up to lr-sized steps of random sign
             continue
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
-    logged = [h for h in trainer.state.log_history if "comera_compression" in h]
-    assert logged and logged[-1]["comera_stage"] == 2
-    assert [s for s, _, _ in cb.history] == [h["step"] for h in logged]
+    # at every logging step: (step, stage, compression) in history and in the printed log line
+    assert [s for s, _, _ in cb.history][:4] == [2, 4, 6, 8]
+    assert cb.history[-1][1:] == (2, pytest.approx(ra.compression()))
+    printed = capsys.readouterr().out
+    assert "'comera_stage': 2" in printed and "comera_compression" in printed
 
 
 def test_callback_takes_an_existing_controller_and_checks_arguments():

@@ -18,7 +18,8 @@ step it calls ``RankAdaptive.step(optimizer)`` (proximal step on the gates,
 the stage-2 size controller, and pruning when ``prune_every`` is set).  The
 reported training loss is the task loss; the callback's ``history`` keeps
 (step, stage, compression) at every logging step, and the same numbers are
-added to the Trainer's log lines as ``comera_stage`` / ``comera_compression``.
+added to the log dict the Trainer hands to the callbacks after this one (the
+printed progress lines among them) as ``comera_stage`` / ``comera_compression``.
 
 Limits: under multi-process training (DDP) leave ``prune_every`` unset and
 prune after training (or in your own loop with
