@@ -60,16 +60,16 @@ void comera_gemm_pack_b_f64(int64_t K, int64_t N, const double *B,
  * load is in bounds) and are simply not stored. */
 COMERA_CLONES
 static void kernel_f32(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                       const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                       int accumulate) {
+                       const float *Bp, int64_t ldb, float *C, int64_t ldc, int mr,
+                       int nr, int accumulate) {
     const float *a[MR];
     for (int i = 0; i < MR; i++) a[i] = A + (i < mr ? i : mr - 1) * rsa;
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t k = 0; k < K; k++) {
         v8f b0, b1;
-        memcpy(&b0, Bp + k * NR, sizeof b0);
-        memcpy(&b1, Bp + k * NR + 8, sizeof b1);
+        memcpy(&b0, Bp + k * ldb, sizeof b0);
+        memcpy(&b1, Bp + k * ldb + 8, sizeof b1);
         int64_t o = k * csa;
         float s;
         s = a[0][o]; c00 += s * b0; c01 += s * b1;
@@ -127,11 +127,108 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
             int mr = (int)(M - i0 < MR ? M - i0 : MR);
             for (int64_t j0 = jb; j0 < jend; j0 += NR) {
                 int nr = (int)(N - j0 < NR ? N - j0 : NR);
-                kernel_f32(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, C + i0 * ldc + j0,
+                kernel_f32(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, NR, C + i0 * ldc + j0,
                            ldc, mr, nr, accumulate);
             }
         }
     }
+}
+
+int64_t comera_gemm_packed_a_size(int64_t M, int64_t K) {
+    return ((M + MR - 1) / MR) * MR * (K > 0 ? K : 1);
+}
+
+/* Loops run k-outer so that A read through a large column stride (A = X^T
+ * for a row-major X) is read row by row of X, contiguously. */
+void comera_gemm_pack_a_f32(int64_t M, int64_t K, const float *A, int64_t rsa,
+                            int64_t csa, float *packed) {
+    int64_t groups = (M + MR - 1) / MR;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t g = 0; g < groups; g++) {
+            float *dst = packed + g * K * MR + k * MR;
+            for (int i = 0; i < MR; i++) {
+                int64_t m = g * MR + i;
+                dst[i] = m < M ? A[m * rsa + k * csa] : 0.0f;
+            }
+        }
+}
+
+void comera_gemm_pack_a_f64(int64_t M, int64_t K, const double *A, int64_t rsa,
+                            int64_t csa, double *packed) {
+    int64_t groups = (M + MR - 1) / MR;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t g = 0; g < groups; g++) {
+            double *dst = packed + g * K * MR + k * MR;
+            for (int i = 0; i < MR; i++) {
+                int64_t m = g * MR + i;
+                dst[i] = m < M ? A[m * rsa + k * csa] : 0.0;
+            }
+        }
+}
+
+void comera_gemm_packed_ab_f32(int64_t M, int64_t N, int64_t K, const float *Ap,
+                               const float *Bp, float *C, int64_t ldc, int accumulate) {
+    if (M <= 0 || N <= 0) return;
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+        int mr = (int)(M - i0 < MR ? M - i0 : MR);
+        const float *a = Ap + (i0 / MR) * K * MR;
+        for (int64_t j0 = 0; j0 < N; j0 += NR) {
+            int nr = (int)(N - j0 < NR ? N - j0 : NR);
+            kernel_f32(K, a, 1, MR, Bp + j0 * K, NR, C + i0 * ldc + j0, ldc, mr, nr, accumulate);
+        }
+    }
+}
+
+void comera_gemm_packed_ab_f64(int64_t M, int64_t N, int64_t K, const double *Ap,
+                               const double *Bp, double *C, int64_t ldc, int accumulate) {
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+        int64_t mr = M - i0 < MR ? M - i0 : MR;
+        comera_gemm_packed_f64(mr, N, K, Ap + (i0 / MR) * K * MR, 1, MR, Bp, C + i0 * ldc, ldc,
+                               accumulate);
+    }
+}
+
+int comera_gemm_rowb_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
+                         int64_t csa, const float *B, int64_t ldb, float *C, int64_t ldc,
+                         int accumulate) {
+    if (M <= 0 || N <= 0) return 0;
+    int64_t full = N / NR * NR;
+    /* the last partial strip would read past the row: pack just that strip */
+    float *tail = NULL;
+    if (full < N) {
+        tail = malloc(sizeof(float) * (size_t)comera_gemm_packed_size(K, N - full));
+        if (!tail) return -3;
+        comera_gemm_pack_b_f32(K, N - full, B + full, ldb, 1, tail);
+    }
+    for (int64_t j0 = 0; j0 < N; j0 += NR) {
+        for (int64_t i0 = 0; i0 < M; i0 += MR) {
+            int mr = (int)(M - i0 < MR ? M - i0 : MR);
+            if (j0 < full)
+                kernel_f32(K, A + i0 * rsa, rsa, csa, B + j0, ldb, C + i0 * ldc + j0, ldc, mr,
+                           NR, accumulate);
+            else
+                kernel_f32(K, A + i0 * rsa, rsa, csa, tail, NR, C + i0 * ldc + j0, ldc, mr,
+                           (int)(N - j0), accumulate);
+        }
+    }
+    free(tail);
+    return 0;
+}
+
+int comera_gemm_rowb_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t rsa,
+                         int64_t csa, const double *B, int64_t ldb, double *C, int64_t ldc,
+                         int accumulate) {
+    if (!accumulate)
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) C[i * ldc + j] = 0.0;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < K; k++) {
+            double s = A[i * rsa + k * csa];
+            const double *b = B + k * ldb;
+            double *c = C + i * ldc;
+            for (int64_t j = 0; j < N; j++) c[j] += s * b[j];
+        }
+    return 0;
 }
 
 /* float64 serves gradcheck and reference work: a plain loop is enough. */
