@@ -42,36 +42,6 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
                             const double *Bp, double *C, int64_t ldc,
                             int accumulate);
 
-/* Rows of a packed A micro-panel. */
-#define COMERA_GEMM_MR 6
-
-/* Number of elements a packed copy of an M x K operand A needs. */
-int64_t comera_gemm_packed_a_size(int64_t M, int64_t K);
-
-/* Packs A (M x K, element (m, k) at A[m * rsa + k * csa]) into micro-panels
- * of COMERA_GEMM_MR rows, each stored k-major, so the kernel streams it. */
-void comera_gemm_pack_a_f32(int64_t M, int64_t K, const float *A, int64_t rsa,
-                            int64_t csa, float *packed);
-void comera_gemm_pack_a_f64(int64_t M, int64_t K, const double *A, int64_t rsa,
-                            int64_t csa, double *packed);
-
-/* C (M x N) (+)= Ap * Bp with both operands packed. */
-void comera_gemm_packed_ab_f32(int64_t M, int64_t N, int64_t K, const float *Ap,
-                               const float *Bp, float *C, int64_t ldc, int accumulate);
-void comera_gemm_packed_ab_f64(int64_t M, int64_t N, int64_t K, const double *Ap,
-                               const double *Bp, double *C, int64_t ldc, int accumulate);
-
-/* C (M x N) (+)= A * B with B read in place: row-major, unit column
- * stride, row stride ldb (a block of rows of an activation, say) - no
- * packing pass over B.  Returns 0, or -3 when a temporary cannot be
- * allocated. */
-int comera_gemm_rowb_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
-                         int64_t csa, const float *B, int64_t ldb, float *C, int64_t ldc,
-                         int accumulate);
-int comera_gemm_rowb_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t rsa,
-                         int64_t csa, const double *B, int64_t ldb, double *C, int64_t ldc,
-                         int accumulate);
-
 /* Unpacked convenience form for small or one-off products: packs B into a
  * temporary when the product is large enough to pay for it.  Returns 0, or
  * -3 when the temporary cannot be allocated. */
