@@ -213,6 +213,38 @@ def test_model_must_be_a_module():
         comera.to_dense(None)
 
 
+# ------------------------------------------------------------------ embeddings
+@needs_tt_embedding
+def test_embedding_svd_full_rank_is_exact_and_keeps_padding_idx():
+    torch.manual_seed(0)
+    emb = nn.Embedding(60, 12, padding_idx=3, dtype=torch.float64)
+    net = nn.Sequential(emb)
+    comera.convert(net, rank=10_000, init="svd", min_compression=0.01)
+    tt = net[0]
+    assert isinstance(tt, comera.TTEmbedding) and tt.padding_idx == 3
+    assert tt.cores[0].dtype == torch.float64
+    idx = torch.tensor([[0, 3, 59], [7, 7, 1]])
+    torch.testing.assert_close(tt(idx), emb(idx), atol=1e-10, rtol=1e-10)
+    dense = comera.to_dense(net)[0]
+    assert type(dense) is nn.Embedding and dense.padding_idx == 3
+    torch.testing.assert_close(dense.weight, emb.weight, atol=1e-10, rtol=1e-10)
+
+
+@needs_tt_embedding
+def test_embedding_random_init_and_selection_flags():
+    net = nn.ModuleDict({"tok": nn.Embedding(1000, 64), "pos": nn.Embedding(4, 64),
+                         "bag": nn.Embedding(1000, 64, sparse=True), "proj": nn.Linear(64, 64)})
+    comera.convert(net, rank=8)
+    assert isinstance(net["tok"], comera.TTEmbedding)
+    assert type(net["pos"]) is nn.Embedding            # 4 x 64 does not compress at rank 8
+    assert type(net["bag"]) is nn.Embedding            # sparse gradients: not supported
+    w = net["tok"].weight.detach()
+    assert 0.5 < w.var().item() < 2.0                   # nn.Embedding's N(0, 1) variance
+    net2 = nn.ModuleDict({"tok": nn.Embedding(1000, 64), "proj": nn.Linear(64, 64)})
+    comera.convert(net2, rank=8, embeddings=False)
+    assert type(net2["tok"]) is nn.Embedding and isinstance(net2["proj"], comera.TTLinear)
+
+
 # ------------------------------------------------------------------- to_dense
 def test_to_dense_inverts_convert():
     net = comera.convert(mlp(torch.float64), rank=4, min_compression=0.1)

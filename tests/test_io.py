@@ -147,3 +147,27 @@ def test_strict_reports_missing_keys(tmp_path):
         comera.load(bigger, path)
     comera.load(bigger, path, strict=False)
     torch.testing.assert_close(bigger[0].weight, comera.load(mlp(3), path)[0].weight)
+
+
+def test_converted_bert_roundtrip_keeps_the_tie(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, intermediate_size=128,
+                                  max_position_embeddings=32)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return comera.convert(transformers.BertForMaskedLM(cfg), rank=8).eval()
+
+    model = build(0)
+    path = tmp_path / "bert.safetensors"
+    comera.save(model, path)
+    fresh = comera.load(build(1), path)
+    ids = torch.randint(0, 300, (2, 12))
+    torch.testing.assert_close(fresh(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
+    head, word = fresh.cls.predictions, fresh.bert.embeddings.word_embeddings
+    if isinstance(word, nn.Embedding):           # dense embedding: the decoder stays tied to it
+        assert head.decoder.weight is word.weight
+    else:                                        # TT embedding: the decoder reads its table
+        assert head.decoder.embedding is word
+    assert head.decoder.bias is head.bias
