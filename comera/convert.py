@@ -6,6 +6,7 @@ names of ``model.named_modules()``; ``*`` also matches dots).  Weight ties
 (an LM head sharing the word embedding's weight) are detected by parameter
 identity and are never broken silently: see ``tie`` in :func:`convert`.
 """
+import copy
 import fnmatch
 import logging
 from dataclasses import dataclass, field
@@ -288,8 +289,9 @@ def _hf_after_convert(model: nn.Module, tied_changed: bool) -> None:
     names that vanished (``...word_embeddings.weight`` is now TT cores) would
     make it fail.  The tie now lives in the module structure (TiedTTLinear),
     so the name-based mapping entries that no longer resolve are dropped and
-    ``config.tie_word_embeddings`` is turned off; both are restored by
-    :func:`to_dense`."""
+    ``config.tie_word_embeddings`` is turned off in a private copy of the
+    config (the caller's config object, often shared with other models, is
+    left alone); both are restored by :func:`to_dense`."""
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     tied = getattr(model, "all_tied_weights_keys", None)
     if isinstance(tied, dict):
@@ -300,10 +302,25 @@ def _hf_after_convert(model: nn.Module, tied_changed: bool) -> None:
         saved.update(gone)
         if saved:
             model._comera_dropped_tied_keys = saved
-    config = getattr(model, "config", None)
-    if tied_changed and getattr(config, "tie_word_embeddings", False):
-        config.tie_word_embeddings = False
-        model._comera_tie_word_embeddings = True
+    if not tied_changed:
+        return
+    # HF models share one config object with the caller (and often with other models built
+    # from it): give this model's modules a private copy before changing it.
+    configs = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if callable(getattr(m, "tie_weights", None)) and getattr(cfg, "tie_word_embeddings", False):
+            configs[id(cfg)] = cfg
+    changed = []
+    for old in configs.values():
+        new = copy.deepcopy(old)
+        new.tie_word_embeddings = False
+        for m in model.modules():
+            if getattr(m, "config", None) is old:
+                m.config = new
+        changed.append(new)
+    if changed:
+        model._comera_untied_configs = changed
 
 
 def _hf_after_to_dense(model: nn.Module) -> None:
@@ -317,9 +334,10 @@ def _hf_after_to_dense(model: nn.Module) -> None:
                 del saved[k]
         if not saved:
             del model._comera_dropped_tied_keys
-    if getattr(model, "_comera_tie_word_embeddings", False):
-        model.config.tie_word_embeddings = True
-        del model._comera_tie_word_embeddings
+    for cfg in getattr(model, "_comera_untied_configs", []):
+        cfg.tie_word_embeddings = True
+    if hasattr(model, "_comera_untied_configs"):
+        del model._comera_untied_configs
 
 
 # -------------------------------------------------------------------- summary

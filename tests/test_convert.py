@@ -387,8 +387,11 @@ def test_hf_tied_decoder_stays_tied_when_the_embedding_stays_dense(kind, caplog)
 
 def test_hf_untie_converts_the_decoder_and_updates_the_config():
     model = _bert("bert", layers=1)
+    caller_config = model.config
     word = model.bert.embeddings.word_embeddings
     comera.convert(model, rank=8, embeddings=False, tie="untie", include=["cls.*"])
+    assert caller_config.tie_word_embeddings is True      # the caller's config object is untouched
+    assert model.config is not caller_config and model.bert.config is model.config
     assert isinstance(model.cls.predictions.decoder, comera.TTLinear)
     assert model.bert.embeddings.word_embeddings is word and type(word) is nn.Embedding
     assert model.config.tie_word_embeddings is False
