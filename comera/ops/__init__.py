@@ -3,3 +3,6 @@ autograd registrations.  Importing this module loads the compiled library."""
 from comera.ops.linear import tt_linear, tt_linear_plan
 
 __all__ = ["tt_linear", "tt_linear_plan"]
+from comera.ops.rank_adaptive import gate_prox_  # noqa: E402
+
+__all__ += ["gate_prox_"]

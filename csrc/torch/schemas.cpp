@@ -21,4 +21,11 @@ TORCH_LIBRARY(comera, m) {
     // --- tt_embedding (TTEmbedding) ---
 
     // --- rank adaptation (gate proximal step) ---
+    // Fused proximal step on TT gates after an optimizer step, in place: dead
+    // entries (signs == 0) are re-zeroed; with kill, entries within threshold
+    // of zero or whose sign changed die (gate and sign set to 0), keeping at
+    // least min_live per gate.  Returns the live count per gate (int64), -1
+    // for a gate holding a NaN (then nothing is modified).
+    m.def("gate_prox_(Tensor(a!)[] gates, Tensor(b!)[] signs, float threshold, int min_live, "
+          "bool kill) -> Tensor");
 }
