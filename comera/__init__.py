@@ -12,3 +12,7 @@ from comera.linear import TTLinear
 
 __version__ = "0.1.0"
 __all__ = ["TTLinear", "ops"]
+
+from comera.embedding import TTEmbedding  # noqa: E402
+
+__all__ += ["TTEmbedding"]

@@ -3,3 +3,6 @@ autograd registrations.  Importing this module loads the compiled library."""
 from comera.ops.linear import tt_linear, tt_linear_plan
 
 __all__ = ["tt_linear", "tt_linear_plan"]
+from comera.ops.embedding import tt_embedding, tt_embedding_plan  # noqa: E402
+
+__all__ += ["tt_embedding", "tt_embedding_plan"]
