@@ -7,15 +7,16 @@ Quick start:
     torch.Size([4, 3072])
 """
 import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 from comera import _C  # noqa: F401  (loads and registers the operators)
 from comera import ops
+from comera.checkpoint import load_state_dict
+from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
+from comera.prune import prune
+from comera.rank_adaptive import RankAdaptive
+from comera.summary import compression, summary
 
 __version__ = "0.1.0"
-__all__ = ["TTLinear", "ops"]
-from comera.checkpoint import load_state_dict  # noqa: E402
-from comera.prune import prune  # noqa: E402
-from comera.rank_adaptive import RankAdaptive  # noqa: E402
-from comera.summary import compression, summary  # noqa: E402
-
-__all__ += ["RankAdaptive", "prune", "summary", "compression", "load_state_dict"]
+__all__ = ["TTLinear", "TTEmbedding", "RankAdaptive", "prune", "summary", "compression",
+           "load_state_dict", "ops"]
