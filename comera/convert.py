@@ -15,8 +15,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 from torch import nn
 
+from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
-from comera.tied import TiedTTLinear, embedding_table
+from comera.tied import TiedTTLinear
 
 logger = logging.getLogger("comera")
 
@@ -90,11 +91,6 @@ def _rank_for(rank, name: str):
     return None
 
 
-def _tt_embedding_class():
-    import comera
-    return getattr(comera, "TTEmbedding", None)
-
-
 # ----------------------------------------------------------------- discovery
 def _find_layers(model: nn.Module) -> List[_Layer]:
     """Every nn.Linear / nn.Embedding (subclasses included, so they can be
@@ -147,8 +143,6 @@ def _structural_reason(layer: _Layer) -> Optional[str]:
 def _selection_reason(layer: _Layer, include, exclude, embeddings: bool) -> Optional[str]:
     if layer.kind == "embedding" and not embeddings:
         return "embeddings=False"
-    if layer.kind == "embedding" and _tt_embedding_class() is None:
-        return "comera.TTEmbedding is not available in this build"
     if include is not None and not any(fnmatch.fnmatchcase(layer.name, p) for p in include):
         return "not matched by include"
     if exclude is not None:
@@ -169,8 +163,8 @@ def _build_random(layer: _Layer, rank) -> nn.Module:
     try:
         if layer.kind == "linear":
             return TTLinear(m.in_features, m.out_features, bias=m.bias is not None, rank=rank, **factory)
-        return _tt_embedding_class()(m.num_embeddings, m.embedding_dim, rank=rank,
-                                     padding_idx=m.padding_idx, **factory)
+        return TTEmbedding(m.num_embeddings, m.embedding_dim, rank=rank,
+                           padding_idx=m.padding_idx, **factory)
     except (ValueError, TypeError) as err:
         raise ValueError(f"convert: cannot build a TT layer for '{layer.name}' ({layer.shape}) with "
                          f"rank={rank!r}: {err}") from err
@@ -186,7 +180,7 @@ def _load_svd(layer: _Layer, rank) -> nn.Module:
     m, new = layer.module, layer.new
     if layer.kind == "linear":
         return new.load_dense_(m.weight, None)
-    emb = _tt_embedding_class().from_dense(m, rank=rank)
+    emb = TTEmbedding.from_dense(m, rank=rank)
     return emb.to(device=m.weight.device, dtype=_tt_dtype(m))
 
 
@@ -536,8 +530,7 @@ def to_dense(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"to_dense: model must be an nn.Module, got {type(model).__name__}")
-    TTEmbedding = _tt_embedding_class()
-    tt_types = (TTLinear,) + ((TTEmbedding,) if TTEmbedding is not None else ())
+    tt_types = (TTLinear, TTEmbedding)
     dense: Dict[int, nn.Module] = {}
 
     def densify(module: nn.Module) -> nn.Module:
@@ -578,6 +571,5 @@ def to_dense(model: nn.Module) -> nn.Module:
 
 def converted_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(name, layer) for every TT layer and tied TT head in ``model``."""
-    TTEmbedding = _tt_embedding_class()
-    kinds: Tuple[type, ...] = (TTLinear, TiedTTLinear) + ((TTEmbedding,) if TTEmbedding else ())
+    kinds = (TTLinear, TTEmbedding, TiedTTLinear)
     return [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]

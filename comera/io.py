@@ -16,15 +16,10 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from comera.checkpoint import load_state_dict
+from comera.layer_base import live_ranks, tt_layers
+
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-def _tt_layers(model: nn.Module):
-    """(name, layer) for modules with TT cores and gates (TTLinear, TTEmbedding)."""
-    for name, module in model.named_modules():
-        cores, gates = getattr(module, "cores", None), getattr(module, "gates", None)
-        if isinstance(cores, nn.ParameterList) and isinstance(gates, nn.ParameterList):
-            yield name, module
 
 
 def _layer_info(layer: nn.Module) -> dict:
@@ -32,7 +27,7 @@ def _layer_info(layer: nn.Module) -> dict:
     return {
         "type": type(layer).__name__,
         "ranks": [int(c.shape[-1]) for c in cores[:-1]],
-        "live_ranks": [int(torch.count_nonzero(g.detach())) for g in layer.gates],
+        "live_ranks": live_ranks(layer),
         "modes": [list(c.shape[1:-1]) for c in cores],
     }
 
@@ -99,7 +94,7 @@ def save(model: nn.Module, path: PathLike, *, metadata: Optional[Mapping[str, st
             aliases[name] = first           # one Parameter under two names (tied weights)
         else:
             tensors[name] = t.detach().to("cpu", copy=True).contiguous()  # another view: own copy
-    info = {name: _layer_info(layer) for name, layer in _tt_layers(model)}
+    info = {name: _layer_info(layer) for name, layer in tt_layers(model)}
     meta = {"format": "pt", "comera.version": _version(), "comera.layers": json.dumps(info),
             "comera.aliases": json.dumps(aliases)}
     meta.update(metadata or {})
@@ -158,11 +153,8 @@ def _read(path_or_state: Union[PathLike, Mapping[str, torch.Tensor]]):
     return sd, meta["layers"]
 
 
-@torch.no_grad()
-def _fit_ranks(model: nn.Module, sd: Mapping[str, torch.Tensor], layers_meta: dict) -> None:
-    """Gives every TT layer the core/gate shapes stored in the checkpoint
-    (same Parameter objects, new storage), after checking that only the rank
-    dims differ."""
+def _check_tt_places(model: nn.Module, layers_meta: dict) -> None:
+    """Every TT layer recorded in the file must be a TT layer in the model."""
     mods = dict(model.named_modules())
     for name, info in layers_meta.items():
         m = mods.get(name)
@@ -172,20 +164,6 @@ def _fit_ranks(model: nn.Module, sd: Mapping[str, torch.Tensor], layers_meta: di
                              f"'{name or '<model>'}' (ranks {info.get('ranks')}) but the model has "
                              f"{found} there: convert the model first (comera.convert with the "
                              "arguments used before saving)")
-    for name, layer in _tt_layers(model):
-        prefix = f"{name}." if name else ""
-        for plist, kind in ((layer.cores, "cores"), (layer.gates, "gates")):
-            for k, p in enumerate(plist):
-                t = sd.get(f"{prefix}{kind}.{k}")
-                if t is None or t.shape == p.shape:
-                    continue
-                if t.dim() != p.dim() or tuple(t.shape[1:-1]) != tuple(p.shape[1:-1]):
-                    raise ValueError(
-                        f"load: {kind}[{k}] of '{name or '<model>'}' has shape {tuple(t.shape)} in "
-                        f"the checkpoint but {tuple(p.shape)} in the model: only the rank dims "
-                        "(first and last) may differ; the layer was built with other shapes")
-                p.data = torch.zeros(t.shape, dtype=p.dtype, device=p.device)
-                p.grad = None
 
 
 def load(model: nn.Module, path: Union[PathLike, Mapping[str, torch.Tensor]], *,
@@ -212,6 +190,6 @@ def load(model: nn.Module, path: Union[PathLike, Mapping[str, torch.Tensor]], *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"load: model must be an nn.Module, got {type(model).__name__}")
     sd, layers_meta = _read(path)
-    _fit_ranks(model, sd, layers_meta)
-    model.load_state_dict(sd, strict=strict)
+    _check_tt_places(model, layers_meta)
+    load_state_dict(model, sd, strict=strict)   # resizes TT ranks first (comera.load_state_dict)
     return model

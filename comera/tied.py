@@ -63,10 +63,12 @@ class TiedTTLinear(nn.Module):
     Example:
         >>> import torch, comera
         >>> from comera.tied import TiedTTLinear
-        >>> emb = comera.TTEmbedding(100, 16, rank=4)          # doctest: +SKIP
-        >>> head = TiedTTLinear(emb, bias=torch.nn.Parameter(torch.zeros(100)))  # doctest: +SKIP
-        >>> head(torch.randn(2, 16)).shape                      # doctest: +SKIP
+        >>> emb = comera.TTEmbedding(100, 16, rank=4)
+        >>> head = TiedTTLinear(emb, bias=torch.nn.Parameter(torch.zeros(100)))
+        >>> head(torch.randn(2, 16)).shape
         torch.Size([2, 100])
+        >>> torch.equal(head.weight, emb.weight)
+        True
     """
 
     def __init__(self, embedding: nn.Module, bias: Optional[torch.Tensor] = None):

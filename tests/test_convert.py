@@ -11,11 +11,6 @@ import comera
 from comera.tied import TiedTTLinear
 from ttm_standin import StandInTTM, table_by_entries
 
-HAS_TT_EMBEDDING = hasattr(comera, "TTEmbedding")
-needs_tt_embedding = pytest.mark.skipif(not HAS_TT_EMBEDDING,
-                                        reason="comera.TTEmbedding is not in this build yet")
-
-
 def mlp(dtype=torch.float32):
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96), nn.ReLU(),
                          nn.Linear(96, 10)).to(dtype)
@@ -214,7 +209,6 @@ def test_model_must_be_a_module():
 
 
 # ------------------------------------------------------------------ embeddings
-@needs_tt_embedding
 def test_embedding_svd_full_rank_is_exact_and_keeps_padding_idx():
     torch.manual_seed(0)
     emb = nn.Embedding(60, 12, padding_idx=3, dtype=torch.float64)
@@ -230,7 +224,6 @@ def test_embedding_svd_full_rank_is_exact_and_keeps_padding_idx():
     torch.testing.assert_close(dense.weight, emb.weight, atol=1e-10, rtol=1e-10)
 
 
-@needs_tt_embedding
 def test_embedding_random_init_and_selection_flags():
     net = nn.ModuleDict({"tok": nn.Embedding(1000, 64), "pos": nn.Embedding(4, 64),
                          "bag": nn.Embedding(1000, 64, sparse=True), "proj": nn.Linear(64, 64)})
@@ -405,7 +398,6 @@ def test_hf_untie_converts_the_decoder_and_updates_the_config():
     assert "cls.predictions.decoder.weight" in model.all_tied_weights_keys
 
 
-@needs_tt_embedding
 @pytest.mark.parametrize("kind", ["bert", "roberta"])
 def test_hf_tie_is_kept_with_tt_embeddings(kind):
     torch.manual_seed(0)

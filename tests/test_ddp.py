@@ -128,6 +128,5 @@ def test_ddp_gradients_equal_single_process_on_concatenated_batch(tmp_path):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-@pytest.mark.skipif(not hasattr(comera, "RankAdaptive"), reason="comera.RankAdaptive is not in this build yet")
 def test_ddp_rank_adaptive_and_prune_keep_ranks_identical(tmp_path):
     _spawn(_rank_adaptive_worker, tmp_path)

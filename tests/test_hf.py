@@ -13,8 +13,6 @@ import comera.integrations.ddp  # noqa: F401
 import comera.integrations.hf  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not hasattr(comera, "RankAdaptive"),
-                                reason="comera.RankAdaptive is not in this build yet")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from comera.io import _tt_layers
+from comera.layer_base import tt_layers
+from comera.prune import prune as comera_prune
 
 
 def _check_ddp(ddp_model, fn: str) -> None:
@@ -69,14 +70,14 @@ def sync_gates(model: nn.Module, src: int = 0, group=None) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sync_gates: torch.distributed is not initialised "
                            "(call torch.distributed.init_process_group first)")
-    for _, layer in _tt_layers(model):
+    for _, layer in tt_layers(model):
         for g in layer.gates:
             dist.broadcast(g.data, src=src, group=group)
 
 
 def all_ranks(model: nn.Module) -> Dict[str, List[int]]:
     """``{layer name: ranks}`` of every TT layer in ``model``."""
-    return {name: [int(c.shape[-1]) for c in list(layer.cores)[:-1]] for name, layer in _tt_layers(model)}
+    return {name: [int(c.shape[-1]) for c in list(layer.cores)[:-1]] for name, layer in tt_layers(model)}
 
 
 def prune(ddp_model: DistributedDataParallel, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -94,13 +95,9 @@ def prune(ddp_model: DistributedDataParallel, optimizer: Optional[torch.optim.Op
         >>> ddp, pruned = comera.integrations.ddp.prune(ddp, optimizer)                 # doctest: +SKIP
     """
     _check_ddp(ddp_model, "prune")
-    import comera
-    prune_fn = getattr(comera, "prune", None)
-    if prune_fn is None:
-        raise RuntimeError("comera.integrations.ddp.prune needs comera.prune, which this build lacks")
     group = ddp_model.process_group
     sync_gates(ddp_model.module, src=0, group=group)
-    pruned = prune_fn(ddp_model.module, optimizer)
+    pruned = comera_prune(ddp_model.module, optimizer)
     mine = all_ranks(ddp_model.module)
     everyone: List[Optional[Dict[str, List[int]]]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)

@@ -35,7 +35,8 @@ from typing import List, Tuple
 
 import torch
 
-from comera.io import _tt_layers
+from comera.layer_base import tt_layers
+from comera.rank_adaptive import RankAdaptive
 
 try:
     from transformers import TrainerCallback
@@ -79,13 +80,9 @@ class RankAdaptiveCallback(TrainerCallback):
             raise TypeError("RankAdaptiveCallback: rank_adaptive must be a comera.RankAdaptive, got "
                             f"{type(rank_adaptive).__name__}")
         if rank_adaptive_kwargs:
-            import comera
-            if not hasattr(comera, "RankAdaptive"):
-                raise RuntimeError("RankAdaptiveCallback needs comera.RankAdaptive, which this "
-                                   "build lacks")
             with warnings.catch_warnings():    # validate the arguments now, not at train time
                 warnings.simplefilter("ignore")
-                comera.RankAdaptive(torch.nn.Module(), **rank_adaptive_kwargs)
+                RankAdaptive(torch.nn.Module(), **rank_adaptive_kwargs)
         self.rank_adaptive = rank_adaptive
         self._kwargs = rank_adaptive_kwargs
         self.history: List[Tuple[int, int, float]] = []
@@ -96,12 +93,11 @@ class RankAdaptiveCallback(TrainerCallback):
             if model is None:
                 raise RuntimeError("RankAdaptiveCallback: the Trainer gave no model to build "
                                    "the RankAdaptive controller on")
-            import comera
-            self.rank_adaptive = comera.RankAdaptive(model, **self._kwargs)
+            self.rank_adaptive = RankAdaptive(model, **self._kwargs)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         ra = self.rank_adaptive
-        gates = [g for _, layer in _tt_layers(ra.model) for g in layer.gates if g.requires_grad]
+        gates = [g for _, layer in tt_layers(ra.model) for g in layer.gates if g.requires_grad]
         if not gates:
             return
         penalty = ra.penalty()
