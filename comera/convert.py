@@ -170,6 +170,23 @@ def _build_random(layer: _Layer, rank) -> nn.Module:
                          f"rank={rank!r}: {err}") from err
 
 
+@torch.no_grad()
+def _match_scale(layer: _Layer) -> None:
+    """Scales freshly drawn cores so the reconstructed weight has the mean
+    square of the dense weight it replaces.  For a layer built with its
+    default init this is that init's variance; for a model with its own init
+    (HF models draw N(0, 0.02^2)) it keeps the model's scale.  A zero dense
+    weight keeps the TT layer's own default init."""
+    target = layer.module.weight.detach().float().pow(2).mean().item()
+    current = layer.new.weight.detach().float().pow(2).mean().item()
+    if not (target > 0 and current > 0) or target == float("inf"):
+        return
+    cores = list(layer.new.cores)
+    factor = (target / current) ** (1.0 / (2 * len(cores)))
+    for c in cores:
+        c.mul_(factor)
+
+
 def _core_params(module: nn.Module) -> int:
     return sum(c.numel() for c in module.cores)
 
@@ -271,6 +288,12 @@ def _resolve_ties(model, layers, tie: str) -> Tuple[List[Tuple[_Layer, List[_Lay
             continue
         keep_plan.append((members[0], members))
     return keep_plan, broken
+
+
+def _source(members: List[_Layer]) -> _Layer:
+    """The layer of a kept tie group whose TT weight the others share (an embedding if any)."""
+    embs = [m for m in members if m.kind == "embedding"]
+    return embs[0] if embs else members[0]
 
 
 def _emb_config(m: nn.Embedding):
@@ -382,9 +405,11 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
             qualified module names; a layer converts when it matches some
             ``include`` pattern (``None``: all) and no ``exclude`` pattern.
         embeddings: also convert nn.Embedding layers (to comera.TTEmbedding).
-        init: ``"random"`` (variance-matched TT init: the reconstructed weight
-            has the variance of the dense layer's default init) or ``"svd"``
-            (TT-SVD of the current dense weight, truncated to ``rank``).  Biases
+        init: ``"random"`` (random cores, scaled so the reconstructed weight
+            has the mean square of the dense weight it replaces: the default
+            init's variance for a freshly built layer, the model's own scale
+            otherwise) or ``"svd"`` (TT-SVD of the current dense weight,
+            truncated to ``rank``).  Biases
             are not compressed: the bias Parameter itself is kept in both modes.
         min_compression: keep a layer dense unless dense weight parameters /
             TT core parameters >= this.
@@ -464,19 +489,21 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
     for desc in broken:
         logger.warning("comera.convert: untying %s (tie='untie'): each gets its own TT weight", desc)
 
-    # 4. initial values, bias, flags
+    # 4. initial values, bias, flags (not for tied members that will share another's TT weight)
+    followers = {id(m) for _, members in keep_plan for m in members if m is not _source(members)}
     for l in layers:
-        if l.new is None:
+        if l.new is None or id(l) in followers:
             continue
         if init == "svd":
             l.new = _load_svd(l, l.rank)
             l.tt_params = _core_params(l.new)
+        else:
+            _match_scale(l)
         _finish(l)
 
     # 5. tied groups share one TT module (an embedding's table feeds the tied Linears)
     for _, members in keep_plan:
-        embs = [m for m in members if m.kind == "embedding"]
-        source = embs[0] if embs else members[0]
+        source = _source(members)
         for m in members:
             if m is source:
                 continue
