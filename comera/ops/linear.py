@@ -47,6 +47,23 @@ def _backward(ctx, grad_y, grad_t):
 
 torch.library.register_autograd("comera::tt_linear", _backward, setup_context=_setup_context)
 
+# Autocast (AMP): the TT contractions always accumulate in float32.  Called
+# directly under autocast, the op casts its floating inputs to float32 (never
+# float64 ones) and returns float32, like autocast's "fp32 ops"; the module-level
+# wrapper below then returns autocast's dtype, like F.linear (see _autocast_dtype).
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("comera::tt_linear", _device, torch.float32)
+
+
+def _autocast_dtype(x: torch.Tensor, compute: torch.dtype) -> Optional[torch.dtype]:
+    """The output dtype autocast wants for a linear op on ``x`` (None when
+    autocast is off for x's device, or the layer computes in float64, which
+    autocast leaves alone)."""
+    dev = x.device.type
+    if compute != torch.float32 or dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return None
+    return torch.get_autocast_dtype(dev)
+
 
 def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
               bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
@@ -55,7 +72,9 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
 
     ``cores`` (input cores first) and ``gates`` follow DESIGN.md section 2;
     computation happens in the cores' dtype (a bfloat16/float16 ``x`` is
-    computed in float32 and returned in its own dtype).
+    computed in float32 and returned in its own dtype).  Under
+    ``torch.autocast`` a float32 layer computes in float32 and returns
+    autocast's dtype (bfloat16 on CPU by default), as ``F.linear`` does.
 
     Example:
         >>> import torch, comera
@@ -72,8 +91,9 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         x2 = x2.to(compute)
     y, _ = torch.ops.comera.tt_linear(x2.contiguous(), list(cores), list(gates), bias,
                                       num_in_cores, out_features, PATHS[path])
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    out_dtype = _autocast_dtype(x, compute) or x.dtype
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
     return y.reshape(*lead, out_features)
 
 
