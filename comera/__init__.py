@@ -6,6 +6,7 @@ Quick start:
     >>> layer(torch.randn(4, 768)).shape
     torch.Size([4, 3072])
 """
+import torch  # noqa: F401  (loads libc10/libtorch before the extension needs them)
 from comera import _C  # noqa: F401  (loads and registers the operators)
 from comera import ops
 from comera.linear import TTLinear
