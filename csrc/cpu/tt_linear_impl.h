@@ -83,6 +83,25 @@ static int FN(merge_chain_bwd)(const tt_shape *s, int first, int last,
     return COMERA_OK;
 }
 
+/* Columns of A^T transposed per chunk in gemm_at_acc. */
+#define AT_CHUNK 64
+
+/* C (M x N) += A^T Bp for A stored (K x M) row-major: a strided A^T read
+ * walks down columns of A, rows lda elements apart, and a power-of-two lda
+ * (768, 3072) maps them all to a few cache sets; a chunk of A transposed
+ * into buf (AT_CHUNK x K) turns the product into a contiguous one. */
+static void FN(gemm_at_acc)(int64_t M, int64_t N, int64_t K, const REAL *A, int64_t lda,
+                            const REAL *Bp, REAL *C, int64_t ldc, REAL *buf) {
+    for (int64_t m0 = 0; m0 < M; m0 += AT_CHUNK) {
+        int64_t w = M - m0 < AT_CHUNK ? M - m0 : AT_CHUNK;
+        for (int64_t k = 0; k < K; k++) {
+            const REAL *a = A + k * lda + m0;
+            for (int64_t i = 0; i < w; i++) buf[i * K + k] = a[i];
+        }
+        FN(comera_gemm_packed)(w, N, K, buf, K, 1, Bp, C + m0 * ldc, ldc, 1);
+    }
+}
+
 static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
                             const REAL *const *gates, REAL *eff, REAL *P) {
     FN(make_eff)(s, cores, gates, eff);
@@ -134,7 +153,8 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int nt = threads_for(nthreads, blocks);
     /* per thread: dU^T (out x rm), dV (in x rm), dbias (out), S block,
      * packed T block, packed S block */
-    int64_t per = out * rm + in * rm + out + rb * rm + 2 * comera_gemm_packed_size(rb, rm);
+    int64_t per = out * rm + in * rm + out + rb * rm + 2 * comera_gemm_packed_size(rb, rm) +
+                  AT_CHUNK * rb;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *deff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
@@ -154,15 +174,20 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
             REAL *dUt = ws + per * tid, *dV = dUt + out * rm, *db = dV + in * rm;
             REAL *S = db + out, *Tp = S + rb * rm;
             REAL *Sp = Tp + comera_gemm_packed_size(rb, rm);
-            for (int64_t b = tid; b < blocks; b += nt) {
+            REAL *buf = Sp + comera_gemm_packed_size(rb, rm);
+            /* stride by the team actually granted: inside another parallel
+             * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
+             * per-thread sums stay zero */
+            int team = omp_get_num_threads();
+            for (int64_t b = tid; b < blocks; b += team) {
                 int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
                 const REAL *dyb = dy + r0 * out, *xb = x + r0 * in;
                 FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, S, rm, 0);
                 if (dx) FN(comera_gemm_packed)(nr, in, rm, S, rm, 1, VTp, dx + r0 * in, in, 0);
                 FN(comera_gemm_pack_b)(nr, rm, t + r0 * rm, rm, 1, Tp);
-                FN(comera_gemm_packed)(out, rm, nr, dyb, 1, out, Tp, dUt, rm, 1);
+                FN(gemm_at_acc)(out, rm, nr, dyb, out, Tp, dUt, rm, buf);
                 FN(comera_gemm_pack_b)(nr, rm, S, rm, 1, Sp);
-                FN(comera_gemm_packed)(in, rm, nr, xb, 1, in, Sp, dV, rm, 1);
+                FN(gemm_at_acc)(in, rm, nr, xb, in, Sp, dV, rm, buf);
                 for (int64_t i = 0; i < nr; i++)
                     for (int64_t j = 0; j < out; j++) db[j] += dyb[i * out + j];
             }
