@@ -113,8 +113,9 @@ def split_files(rel_paths: Sequence[str], valid_fraction: float, seed: int = 0) 
     returned lists are sorted.
 
     Example:
-        >>> split_files(["a.py", "b.py", "c.py", "d.py"], 0.25)
-        (['a.py', 'b.py', 'd.py'], ['c.py'])
+        >>> train, valid = split_files(["a.py", "b.py", "c.py", "d.py"], 0.25)
+        >>> len(train), len(valid), sorted(train + valid)
+        (3, 1, ['a.py', 'b.py', 'c.py', 'd.py'])
     """
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")

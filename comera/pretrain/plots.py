@@ -35,7 +35,8 @@ def plot_valid_loss(results: Dict[str, dict], path: str) -> str:
     ax.set_ylabel("validation MLM loss (nats/token)")
     ax.set_title("Validation loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     return path
@@ -63,7 +64,8 @@ def plot_train_loss(results: Dict[str, dict], path: str) -> str:
     ax.set_ylabel(f"training MLM loss (moving average)")
     ax.set_title("Training loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     return path
@@ -87,7 +89,8 @@ def plot_compression(results: Dict[str, dict], path: str, target: Optional[float
     ax.set_yscale("log")
     ax.set_title("Compression")
     ax.grid(alpha=0.3, which="both")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     return path

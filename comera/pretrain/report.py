@@ -16,6 +16,8 @@ def compare(results: Dict[str, dict]) -> dict:
     if "dense" not in results or "comera" not in results:
         return {}
     d, c = results["dense"], results["comera"]
+    if not d["tokens_per_s"] or not d["valid_loss"]:
+        return {}
     return {
         "compression_whole": c["compression_whole"],
         "speedup_tokens_per_s": c["tokens_per_s"] / d["tokens_per_s"],
