@@ -19,7 +19,7 @@ from torch import nn
 
 import comera
 from comera import tt
-from common import (copy_bandwidth, machine_info, max_rss_bytes, peak_memory_subprocess,
+from common import (copy_bandwidth, keep_freed_memory, machine_info, max_rss_bytes, peak_memory_subprocess,
                     sgemm_flops, time_fn, write_results)
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
@@ -78,6 +78,7 @@ def main():
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    heap_cache = keep_freed_memory()
     if args.memory_case:
         return memory_case(json.loads(args.memory_case))
     flops_rate, bw = sgemm_flops(), copy_bandwidth()
@@ -114,13 +115,14 @@ def main():
                 "peak_mem_matmul_merge_bytes": mem.get("matmul merge"),
             })
             print(json.dumps(rows[-1]))
-    payload = {"machine": machine_info(), "sgemm_flops_per_s": flops_rate,
+    payload = {"machine": machine_info(), "glibc_keep_freed_memory": heap_cache, "sgemm_flops_per_s": flops_rate,
                "copy_bytes_per_s": bw, "dtype": "float32", "cases": rows}
     mb = lambda b: "-" if b is None else f"{b / 2**20:.1f}"
     md = ["# TTLinear forward+backward, CPU, float32, 4096 rows\n",
           f"Machine: {payload['machine']['processor']}, {args.threads} threads, torch "
           f"{torch.__version__}; sgemm {flops_rate / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s "
-          "(measured in the same run).\n",
+          "(measured in the same run). Freed memory stays in the heap for every method "
+          "(mallopt, as with jemalloc/tcmalloc).\n",
           "| in -> out | rank | path | nn.Linear ms | TTLinear ms | matmul merge ms | x dense | "
           "x matmul merge | roofline eff. | peak MB dense / TT / merge |",
           "|---|---|---|---|---|---|---|---|---|---|"]
