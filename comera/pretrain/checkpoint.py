@@ -10,7 +10,7 @@ from typing import Dict
 import torch
 from torch import nn
 
-from comera.pretrain.model import live_ranks, tt_layers
+from comera.layer_base import live_ranks, replace_data, tt_layers
 
 
 def save(path: str, state: dict) -> None:
@@ -54,7 +54,7 @@ def resize_tt_to(model: nn.Module, state_dict: dict) -> None:
                         raise ValueError(f"checkpoint's {key} has shape {tuple(want)}, which this "
                                          f"model's layer (shape {tuple(p.shape)}) cannot take: "
                                          "only ranks can differ")
-                    p.data = torch.zeros(want, dtype=p.dtype, device=p.device)
+                    replace_data(p, torch.zeros(want, dtype=p.dtype, device=p.device))
                     p.grad = None
 
 

@@ -99,7 +99,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=_positive_int, help="steps between rank/compression records")
 
     g = ap.add_argument_group("CoMERA (default: the preset's)")
-    g.add_argument("--rank", type=_positive_int, help="initial TT rank of the converted layers")
+    g.add_argument("--rank", type=_positive_int, help="initial TT rank of the converted linear layers")
+    g.add_argument("--vocab-rank", type=_positive_int,
+                   help="initial TT rank of the word embedding and the output decoder")
     g.add_argument("--init", choices=["random", "svd"], help="TT initialisation for comera.convert")
     g.add_argument("--gamma", type=_nonneg_float, help="L1 weight on the TT gates (stage 1)")
     g.add_argument("--threshold", type=_nonneg_float, help="gate entries below this die")

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from comera.layer_base import dense_params, live_ranks, size_from_ranks, tt_layers
+
 
 @dataclass
 class Preset:
@@ -35,7 +37,8 @@ class Preset:
     max_train_tokens: Optional[int] = None
     tokenizer_max_mb: Optional[float] = None
     # CoMERA
-    rank: int = 16
+    rank: int = 16                # initial TT rank of the linear layers
+    vocab_rank: int = 32          # ... of the word embedding and the output decoder
     init: str = "random"
     gamma: float = 1e-3
     threshold: float = 1e-2
@@ -47,16 +50,18 @@ class Preset:
 
 PRESETS = {
     # A whole demo (tokenizer, dense and CoMERA) in a few minutes on 2 CPU cores.
-    "tiny": Preset(layers=2, hidden=128, heads=2, ffn=512, seq_len=128, batch_size=32, steps=400,
-                   lr=1e-3, eval_every=50, checkpoint_every=100, max_train_tokens=2_000_000,
-                   tokenizer_max_mb=4.0, rank=16, target_compression=None, prune_every=25),
+    # No dropout: a few hundred steps see each sequence at most once.
+    "tiny": Preset(layers=2, hidden=128, heads=2, ffn=512, seq_len=128, dropout=0.0, batch_size=32,
+                   steps=400, lr=1e-3, eval_every=50, checkpoint_every=100,
+                   max_train_tokens=2_000_000, tokenizer_max_mb=4.0, rank=16, vocab_rank=32,
+                   target_compression=None, prune_every=25),
     "small": Preset(layers=4, hidden=256, heads=4, ffn=1024, seq_len=256, batch_size=32, steps=3000,
                     lr=7e-4, eval_every=250, checkpoint_every=500, tokenizer_max_mb=12.0, rank=24,
-                    prune_every=50),
+                    vocab_rank=48, prune_every=50),
     # The paper's six-encoder CodeBERT-style model (d 768, FFN 3072, 12 heads).
     "paper": Preset(layers=6, hidden=768, heads=12, ffn=3072, seq_len=256, batch_size=16,
                     steps=20000, lr=3e-4, eval_every=500, valid_blocks=32, checkpoint_every=500,
-                    rank=32, prune_every=100),
+                    rank=32, vocab_rank=64, prune_every=100),
 }
 
 
@@ -130,6 +135,15 @@ def build_dense(p: Preset, vocab_size: int, seed: int) -> nn.Module:
 # Embeddings other than the word embedding are tiny (positions, one token
 # type); the issue converts the linear layers and the word embedding only.
 CONVERT_EXCLUDE = ["roberta.embeddings.position_embeddings", "roberta.embeddings.token_type_embeddings"]
+# The two vocabulary-sized layers (the biggest) get their own rank.
+VOCAB_LAYERS = ["roberta.embeddings.word_embeddings", "lm_head.decoder"]
+
+
+def convert_ranks(p: Preset) -> dict:
+    """The ``rank`` mapping handed to comera.convert (first matching glob wins)."""
+    ranks = {name: p.vocab_rank for name in VOCAB_LAYERS}
+    ranks["*"] = p.rank
+    return ranks
 
 
 def build_comera(p: Preset, vocab_size: int, seed: int) -> nn.Module:
@@ -140,41 +154,15 @@ def build_comera(p: Preset, vocab_size: int, seed: int) -> nn.Module:
         raise RuntimeError("--method comera needs comera.convert, which this build of comera lacks")
     model = build_dense(p, vocab_size, seed)
     torch.manual_seed(seed + 1)
-    model = comera.convert(model, rank=p.rank, exclude=CONVERT_EXCLUDE, embeddings=True, init=p.init)
+    model = comera.convert(model, rank=convert_ranks(p), exclude=CONVERT_EXCLUDE, embeddings=True,
+                           init=p.init)
     _share_output_bias(model)
     return model
 
 
-def is_tt_layer(module: nn.Module) -> bool:
-    """True for a TT layer (TTLinear, TTEmbedding): it has ``cores`` and ``gates``."""
-    return (isinstance(getattr(module, "cores", None), nn.ParameterList)
-            and isinstance(getattr(module, "gates", None), nn.ParameterList))
-
-
-def tt_layers(model: nn.Module):
-    """``(name, module)`` for every TT layer, in module order."""
-    return [(n, m) for n, m in model.named_modules() if is_tt_layer(m)]
-
-
-def live_ranks(layer: nn.Module):
-    """Gate entries that are not exactly zero, per bond."""
-    return [int((g.detach() != 0).sum()) for g in layer.gates]
-
-
-def _dense_size(layer: nn.Module) -> int:
-    if hasattr(layer, "in_features"):
-        return layer.in_features * layer.out_features
-    return layer.num_embeddings * layer.embedding_dim
-
-
 def tt_size(layer: nn.Module) -> tuple:
     """(dense parameters the layer replaces, live TT core parameters)."""
-    ranks = [1] + live_ranks(layer) + [1]
-    live = 0
-    for k, core in enumerate(layer.cores):
-        modes = core.numel() // (core.shape[0] * core.shape[-1])
-        live += ranks[k] * modes * ranks[k + 1]
-    return _dense_size(layer), live
+    return dense_params(layer), size_from_ranks(layer, live_ranks(layer))
 
 
 def count_parameters(model: nn.Module) -> dict:
@@ -182,12 +170,13 @@ def count_parameters(model: nn.Module) -> dict:
     parameters they stand for and their live core parameters."""
     total = sum(p.numel() for p in model.parameters())
     dense_conv, live_conv, stored_tt = 0, 0, 0
-    for _, layer in tt_layers(model):
+    layers = list(tt_layers(model))
+    for _, layer in layers:
         d, live = tt_size(layer)
         dense_conv += d
         live_conv += live
         stored_tt += sum(c.numel() for c in layer.cores) + sum(g.numel() for g in layer.gates)
-    live_gates = sum(sum(live_ranks(m)) for _, m in tt_layers(model))
+    live_gates = sum(sum(live_ranks(m)) for _, m in layers)
     return {
         "total": total,
         # The same model with every converted layer dense again.
@@ -196,7 +185,7 @@ def count_parameters(model: nn.Module) -> dict:
         "total_live": total - stored_tt + live_conv + live_gates,
         "converted_dense": dense_conv,
         "converted_tt": live_conv,
-        "converted_layers": len(tt_layers(model)),
+        "converted_layers": len(layers),
     }
 
 
