@@ -3,63 +3,65 @@
  * defined: one text for both types keeps them from drifting apart. */
 #include <omp.h>
 
-/* Core k times its gate on the last rank index; the last core has none. */
-static void FN(emb_make_eff)(const emb_shape *s, const REAL *const *cores,
-                             const REAL *const *gates, REAL *eff) {
-    for (int k = 0; k < s->d; k++) {
-        const REAL *c = cores[k];
-        REAL *out = eff + s->core_off[k];
-        int64_t cols = s->r[k + 1], rows = (s->core_off[k + 1] - s->core_off[k]) / cols;
-        if (k == s->d - 1) {
-            memcpy(out, c, sizeof(REAL) * (size_t)(rows * cols));
-            continue;
-        }
-        const REAL *g = gates[k];
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t j = 0; j < cols; j++) out[i * cols + j] = c[i * cols + j] * g[j];
-    }
+/* Core 0 times gate 0: its slices are the rows' first partial products. */
+static void FN(emb_gated_core0)(const emb_shape *s, const REAL *const *cores,
+                                const REAL *const *gates, REAL *eff0) {
+    int64_t cols = s->r[1], rows = s->core_off[1] / cols;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) eff0[i * cols + j] = cores[0][i * cols + j] * gates[0][j];
 }
 
-/* Core and gate gradients from the gradient of the gated cores. */
-static void FN(emb_eff_grads)(const emb_shape *s, const REAL *const *cores,
-                              const REAL *const *gates, const REAL *deff,
-                              REAL *const *dcores, REAL *const *dgates) {
-    for (int k = 0; k < s->d; k++) {
-        const REAL *c = cores[k], *de = deff + s->core_off[k];
-        REAL *dc = dcores[k];
+/* In place: dcores[k] holds the gradient of the gated core k on entry and
+ * the gradient of core k on exit; dgates[k] is overwritten. */
+static void FN(emb_finish_grads)(const emb_shape *s, const REAL *const *cores,
+                                 const REAL *const *gates, REAL *const *dcores,
+                                 REAL *const *dgates) {
+    for (int k = 0; k < s->d - 1; k++) {
+        const REAL *c = cores[k], *g = gates[k];
+        REAL *dc = dcores[k], *dg = dgates[k];
         int64_t cols = s->r[k + 1], rows = (s->core_off[k + 1] - s->core_off[k]) / cols;
-        if (k == s->d - 1) {
-            memcpy(dc, de, sizeof(REAL) * (size_t)(rows * cols));
-            continue;
-        }
-        const REAL *g = gates[k];
-        REAL *dg = dgates[k];
         for (int64_t j = 0; j < cols; j++) dg[j] = 0;
         for (int64_t i = 0; i < rows; i++)
             for (int64_t j = 0; j < cols; j++) {
-                dc[i * cols + j] = de[i * cols + j] * g[j];
-                dg[j] += de[i * cols + j] * c[i * cols + j];
+                dg[j] += dc[i * cols + j] * c[i * cols + j];
+                dc[i * cols + j] *= g[j];
             }
     }
 }
 
-/* Packs every slice C_k[:, i] of cores 1..d-1 once per call, so the per-row
- * products run on the micro-kernel without packing: pf as the forward B
- * operand (r[k] x e[k] r[k+1]), pb (if not NULL) transposed for the
- * backward. */
-static void FN(emb_pack)(const emb_shape *s, const REAL *eff, REAL *pf, REAL *pb, int nthreads) {
+/* Packs every gated slice C_k[:, i] of cores 1..d-1 once per call, so the
+ * per-row products run on the micro-kernel without packing: pf as the
+ * forward B operand (r[k] x e[k] r[k+1]), pb (if not NULL) transposed for
+ * the backward.  Returns COMERA_ERR_NOMEM if a scratch slice cannot be
+ * allocated. */
+static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL *const *gates,
+                        REAL *pf, REAL *pb, int nthreads) {
+    int rc = COMERA_OK;
     for (int k = 1; k < s->d; k++) {
-        int64_t N = s->e[k] * s->r[k + 1], rs = s->v[k] * N;
-        const REAL *core = eff + s->core_off[k];
+        int64_t K = s->r[k], rr = s->r[k + 1], N = s->e[k] * rr, rs = s->v[k] * N;
+        const REAL *core = cores[k], *g = k < s->d - 1 ? gates[k] : NULL;
         int nt = threads_for(nthreads, s->v[k], (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0)));
-#pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t i = 0; i < s->v[k]; i++) {
-            const REAL *slice = core + i * N;
-            FN(comera_gemm_pack_b)(s->r[k], N, slice, rs, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
-            if (pb)
-                FN(comera_gemm_pack_b)(N, s->r[k], slice, 1, rs, pb + s->pb_off[k] + i * s->pb_size[k]);
+#pragma omp parallel num_threads(nt)
+        {
+            REAL *slice = malloc(sizeof(REAL) * (size_t)(K * N));
+            if (!slice) {
+#pragma omp atomic write
+                rc = COMERA_ERR_NOMEM;
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < s->v[k]; i++) {
+                if (!slice) continue;
+                for (int64_t a = 0; a < K; a++)
+                    for (int64_t n = 0; n < N; n++)
+                        slice[a * N + n] = core[a * rs + i * N + n] * (g ? g[n % rr] : (REAL)1);
+                FN(comera_gemm_pack_b)(K, N, slice, N, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
+                if (pb)
+                    FN(comera_gemm_pack_b)(N, K, slice, 1, N, pb + s->pb_off[k] + i * s->pb_size[k]);
+            }
+            free(slice);
         }
     }
+    return rc;
 }
 
 /* R_{k-1} of the row with multi-index idx: a slice of core 0, or a state. */
@@ -85,12 +87,11 @@ static void FN(emb_chain)(const emb_shape *s, const REAL *eff, const REAL *pf,
  * e[k] r[k+1]): the slice gradient += R_{k-1}^T X, dR_{k-1} += X C_k^T. */
 static void FN(emb_level_bwd)(const emb_shape *s, const REAL *eff, const REAL *pb,
                               const int64_t *idx, int k, const REAL *state, const REAL *X,
-                              REAL *acc, REAL *deff, REAL *pack) {
+                              REAL *acc, REAL *const *deff, REAL *pack) {
     int64_t N = s->e[k] * s->r[k + 1], K = s->E[k - 1], rk = s->r[k];
     const REAL *R = FN(emb_prev_state)(s, eff, idx, state, k);
     FN(comera_gemm_pack_b)(K, N, X, N, 1, pack);
-    FN(comera_gemm_packed)(rk, N, K, R, 1, rk, pack,
-                           deff + s->core_off[k] + idx[k] * N, s->v[k] * N, 1);
+    FN(comera_gemm_packed)(rk, N, K, R, 1, rk, pack, deff[k] + idx[k] * N, s->v[k] * N, 1);
     FN(comera_gemm_packed)(K, rk, N, X, N, 1, pb + s->pb_off[k] + idx[k] * s->pb_size[k],
                            acc + s->acc_off[k - 1], rk, 1);
 }
@@ -98,11 +99,11 @@ static void FN(emb_level_bwd)(const emb_shape *s, const REAL *eff, const REAL *p
 /* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down. */
 static void FN(emb_flush)(const emb_shape *s, const REAL *eff, const REAL *pb,
                           const int64_t *idx, int k, const REAL *state, REAL *acc,
-                          REAL *deff, REAL *pack) {
+                          REAL *const *deff, REAL *pack) {
     REAL *X = acc + s->acc_off[k];
     int64_t n = s->acc_off[k + 1] - s->acc_off[k];
     if (k == 0) {
-        REAL *slice = deff + idx[0] * n;
+        REAL *slice = deff[0] + idx[0] * n;
         for (int64_t i = 0; i < n; i++) slice[i] += X[i];
     } else {
         FN(emb_level_bwd)(s, eff, pb, idx, k, state, X, acc, deff, pack);
@@ -121,7 +122,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     int nt = threads_for(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
     int direct = !bag && dim == dp; /* rows land straight in the output */
     int64_t per = s->state_off[d - 1] + dp;
-    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[d]);
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     REAL *pf = malloc(sizeof(REAL) * (size_t)(s->pf_off[d] > 0 ? s->pf_off[d] : 1));
     REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
     REAL *rowbuf = bag ? malloc(sizeof(REAL) * (size_t)(rows.count * dp + 1)) : NULL;
@@ -130,8 +131,9 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         rc = COMERA_ERR_NOMEM;
         goto done;
     }
-    FN(emb_make_eff)(s, cores, gates, eff);
-    FN(emb_pack)(s, eff, pf, NULL, nthreads);
+    FN(emb_gated_core0)(s, cores, gates, eff);
+    rc = FN(emb_pack)(s, cores, gates, pf, NULL, nthreads);
+    if (rc) goto done;
     if (!bag && s->padding_idx >= 0)
         for (int64_t p = 0; p < b->n; p++)
             if (b->indices[p] == s->padding_idx) memset(out + p * dim, 0, sizeof(REAL) * (size_t)dim);
@@ -211,22 +213,27 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
-    /* per thread: core-gradient accumulator, states, dR accumulators, the
-     * row gradient, a packing buffer */
-    int64_t per = nc + s->state_off[d - 1] + s->acc_off[d - 1] + dp + s->pack_scratch;
-    REAL *eff = malloc(sizeof(REAL) * (size_t)nc);
+    /* per thread: states, dR accumulators, the row gradient, a packing
+     * buffer.  Thread 0 accumulates the gated-core gradients straight into
+     * dcores, the others into private copies (priv) added on in thread
+     * order, so the sums do not depend on scheduling. */
+    int64_t per = s->state_off[d - 1] + s->acc_off[d - 1] + dp + s->pack_scratch;
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     REAL *pf = malloc(sizeof(REAL) * (size_t)(s->pf_off[d] > 0 ? s->pf_off[d] : 1));
     REAL *pb = malloc(sizeof(REAL) * (size_t)(s->pb_off[d] > 0 ? s->pb_off[d] : 1));
     REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
-    REAL *dsum = calloc((size_t)nc, sizeof(REAL));
+    REAL *priv = nt > 1 ? calloc((size_t)(nc * (nt - 1)), sizeof(REAL)) : NULL;
     int64_t *bag_of = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
     REAL *scale = bag ? malloc(sizeof(REAL) * (size_t)(used + 1)) : NULL;
-    if (!eff || !pf || !pb || !ws || !dsum || (bag && (!bag_of || !scale))) {
+    if (!eff || !pf || !pb || !ws || (nt > 1 && !priv) || (bag && (!bag_of || !scale))) {
         rc = COMERA_ERR_NOMEM;
         goto done;
     }
-    FN(emb_make_eff)(s, cores, gates, eff);
-    FN(emb_pack)(s, eff, pf, pb, nthreads);
+    for (int k = 0; k < d; k++)
+        memset(dcores[k], 0, sizeof(REAL) * (size_t)(s->core_off[k + 1] - s->core_off[k]));
+    FN(emb_gated_core0)(s, cores, gates, eff);
+    rc = FN(emb_pack)(s, cores, gates, pf, pb, nthreads);
+    if (rc) goto done;
     if (bag) FN(emb_bag_scales)(s, b, psw, bag_of, scale);
 #pragma omp parallel num_threads(nt)
     {
@@ -234,7 +241,10 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
          * of threads that never ran stay zero */
         int tid = omp_get_thread_num(), team = omp_get_num_threads();
         int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
-        REAL *deff = ws + per * tid, *state = deff + nc;
+        REAL *deff[COMERA_MAX_CORES];
+        for (int k = 0; k < d; k++)
+            deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
+        REAL *state = ws + per * tid;
         REAL *acc = state + s->state_off[d - 1], *g = acc + s->acc_off[d - 1], *pack = g + dp;
         int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
         for (int64_t u = u0; u < u1; u++) {
@@ -261,13 +271,15 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             for (int k = d - 2; k >= 0; k--)
                 FN(emb_flush)(s, eff, pb, prev, k, state, acc, deff, pack);
     }
-    for (int th = 0; th < nt; th++) { /* fixed order: reproducible sums */
-        const REAL *deff = ws + per * th;
-        for (int64_t i = 0; i < nc; i++) dsum[i] += deff[i];
-    }
-    FN(emb_eff_grads)(s, cores, gates, dsum, dcores, dgates);
+    for (int th = 1; th < nt; th++) /* fixed order: reproducible sums */
+        for (int k = 0; k < d; k++) {
+            const REAL *src = priv + nc * (th - 1) + s->core_off[k];
+            REAL *dst = dcores[k];
+            for (int64_t i = 0; i < s->core_off[k + 1] - s->core_off[k]; i++) dst[i] += src[i];
+        }
+    FN(emb_finish_grads)(s, cores, gates, dcores, dgates);
 done:
-    free(eff); free(pf); free(pb); free(ws); free(dsum); free(bag_of); free(scale);
+    free(eff); free(pf); free(pb); free(ws); free(priv); free(bag_of); free(scale);
     comera_emb_rows_free(&rows);
     return rc;
 }
