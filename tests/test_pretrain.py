@@ -51,6 +51,17 @@ def run_cli(*args):
     return main(["pretrain", *args])
 
 
+DENSE_RUN = ["--method", "dense", "--steps", "8", *TINY]
+
+
+@pytest.fixture(scope="module")
+def dense_run(code_dir, tmp_path_factory):
+    """One uninterrupted dense run, shared by the tests that read it."""
+    out = str(tmp_path_factory.mktemp("dense") / "run")
+    assert run_cli("--corpus", code_dir, "--out", out, *DENSE_RUN) == 0
+    return out
+
+
 def load_metrics(out):
     with open(os.path.join(out, "metrics.json")) as fh:
         return json.load(fh)
@@ -267,42 +278,38 @@ def _check_complete_report(out, methods):
     return m
 
 
-def test_end_to_end_dense_writes_a_complete_report(code_dir, tmp_path):
-    out = str(tmp_path / "run")
-    assert run_cli("--corpus", code_dir, "--out", out, "--method", "dense", "--steps", "6", *TINY) == 0
+def test_end_to_end_dense_writes_a_complete_report(code_dir, dense_run):
+    out = dense_run
     m = _check_complete_report(out, ["dense"])
     r = m["methods"]["dense"]
-    assert r["steps_done"] == 6 and r["stopped"] == "finished"
-    assert [s for s, _ in r["history"]["valid"]] == [3, 6]
-    assert r["history"]["step"] == list(range(1, 7)) and len(r["history"]["loss"]) == 6
+    assert r["steps_done"] == 8 and r["stopped"] == "finished"
+    assert [s for s, _ in r["history"]["valid"]] == [3, 6, 8]
+    assert r["history"]["step"] == list(range(1, 9)) and len(r["history"]["loss"]) == 8
     assert r["compression_whole"] == 1.0 and r["parameters"]["converted_layers"] == 0
     assert m["corpus"]["train_files"] + m["corpus"]["valid_files"] == 11
     for f in ("config.json", "tokenizer.json", "dense/checkpoint.pt", "valid_loss.png", "compression.png"):
         assert os.path.isfile(os.path.join(out, f)), f
     # Reusing the directory without --resume is refused; --resume of a finished run is a no-op.
-    assert run_cli("--corpus", code_dir, "--out", out, "--method", "dense", "--steps", "6", *TINY) == 2
-    assert run_cli("--corpus", code_dir, "--out", out, "--method", "dense", "--steps", "6", "--resume",
-                   *TINY) == 0
+    assert run_cli("--corpus", code_dir, "--out", out, *DENSE_RUN) == 2
+    assert run_cli("--corpus", code_dir, "--out", out, "--resume", *DENSE_RUN) == 0
     assert load_metrics(out)["methods"]["dense"]["history"] == r["history"]
     # ... and a resume with other settings is refused, naming them.
+    from comera.__main__ import build_parser
+    from comera.pretrain.run import run_pretrain
+    args = build_parser().parse_args(["pretrain", "--corpus", code_dir, "--out", out, "--resume",
+                                      "--lr", "0.5", *DENSE_RUN])
     with pytest.raises(ValueError, match="lr"):
-        from comera.pretrain.run import run_pretrain
-        from comera.__main__ import build_parser
-        run_pretrain(build_parser().parse_args(["pretrain", "--corpus", code_dir, "--out", out, "--method",
-                                                "dense", "--steps", "6", "--resume", "--lr", "0.5",
-                                                *TINY]), log=lambda *a: None)
+        run_pretrain(args, log=lambda *a: None)
 
 
-def test_resume_gives_the_same_losses_as_an_uninterrupted_run(code_dir, tmp_path):
-    common = ["--corpus", code_dir, "--method", "dense", "--steps", "8", *TINY]
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    assert run_cli("--out", straight, *common) == 0
-    assert run_cli("--out", split, "--stop-after", "4", *common) == 0
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(code_dir, dense_run, tmp_path):
+    split = str(tmp_path / "split")
+    assert run_cli("--corpus", code_dir, "--out", split, "--stop-after", "4", *DENSE_RUN) == 0
     first = load_metrics(split)["methods"]["dense"]
     assert first["stopped"] == "--stop-after" and first["steps_done"] == 4
     assert os.path.isfile(os.path.join(split, "report.md"))
-    assert run_cli("--out", split, "--resume", *common) == 0
-    a = load_metrics(straight)["methods"]["dense"]["history"]
+    assert run_cli("--corpus", code_dir, "--out", split, "--resume", *DENSE_RUN) == 0
+    a = load_metrics(dense_run)["methods"]["dense"]["history"]
     b = load_metrics(split)["methods"]["dense"]["history"]
     assert b["step"] == a["step"] == list(range(1, 9))
     assert b["loss"] == a["loss"]  # bit for bit
@@ -349,6 +356,98 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(code_dir, tmp_path):
                    "--resume", "--stop-after", "2", *TINY) == 0
     h = load_metrics(out)["methods"]["dense"]["history"]
     assert h["step"] == list(range(1, done + 3))
+
+
+# ------------------------------------------------------------- CoMERA
+# Small ranks and a compression target the tiny model reaches within the run,
+# with pruning every 2 steps: stage 1 is steps 1-3, stage 2 steps 4-9.
+COMERA = ["--rank", "4", "--vocab-rank", "8", "--prune-every", "2", "--target-compression", "20",
+          "--stage1", "0.25", "--stage2", "0.5"]
+
+
+BOTH_RUN = ["--steps", "12", *TINY, *COMERA]
+
+
+@pytest.fixture(scope="module")
+def both_run(code_dir, tmp_path_factory):
+    """One uninterrupted run of both methods, shared by the tests that read it."""
+    out = str(tmp_path_factory.mktemp("both") / "run")
+    assert run_cli("--corpus", code_dir, "--out", out, "--method", "both", *BOTH_RUN) == 0
+    return out
+
+
+def _fresh_comera(out):
+    """The comera model of a run, built anew and loaded from its checkpoint."""
+    from comera.pretrain.model import build_comera
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    p = preset(cfg["preset_name"])
+    for k, v in cfg["preset"].items():
+        setattr(p, k, v)
+    state = ckpt.load(os.path.join(out, "comera", "checkpoint.pt"))
+    vocab = json.load(open(os.path.join(out, "tokenizer_meta.json")))["vocab_size"]
+    model = build_comera(p, vocab, cfg["seed"])
+    ckpt.resize_tt_to(model, state["model"])
+    model.load_state_dict(state["model"])
+    return model, state, p, cfg
+
+
+def test_end_to_end_both_methods(both_run):
+    out = both_run
+    m = _check_complete_report(out, ["dense", "comera"])
+    d, c = m["methods"]["dense"], m["methods"]["comera"]
+    assert d["steps_done"] == c["steps_done"] == 12
+    assert "ranks_comera" in m["plots"] and "comera layers" in open(os.path.join(out, "report.md")).read()
+    # The comera model is the dense model with its linear layers and word embedding in TT form.
+    assert c["parameters"]["dense_equivalent"] == d["parameters"]["total"]
+    names = set(c["final_ranks"])
+    assert "roberta.embeddings.word_embeddings" in names and "lm_head.decoder" in names
+    assert "roberta.embeddings.position_embeddings" not in names
+    assert sum(".attention.self.query" in n for n in names) == 1  # TINY has one encoder
+    # Stage 2 drove the converted layers to the target, and the ranks shrank.
+    assert c["compression_converted"] >= 20 * 0.99
+    h = c["history"]["ranks"]["layers"]
+    assert any(sum(series[-1]) < sum(series[0]) for series in h.values())
+    assert [s for _, s in c["history"]["stage"]][:2] == ["1", "1"]
+    assert c["history"]["stage"][-1][1].startswith("2")
+    # Counts against the model itself, rebuilt from the (pruned) checkpoint.
+    model, state, p, cfg = _fresh_comera(out)
+    assert sum(x.numel() for x in model.parameters()) == c["parameters"]["total_live"]
+    assert c["compression_whole"] == pytest.approx(d["parameters"]["total"] / c["parameters"]["total_live"])
+    assert comera.compression(model) == pytest.approx(c["compression_converted"])
+    from comera.layer_base import tt_layers
+    assert state["tt_ranks"] == {n: [int(g.numel()) for g in layer.gates] for n, layer in tt_layers(model)}
+
+
+def test_pruned_checkpoint_reloads_into_a_fresh_model(both_run):
+    from comera.pretrain.data import MLMData
+    from comera.pretrain.train import evaluate
+    out = both_run
+    r = load_metrics(out)["methods"]["comera"]
+    model, state, p, cfg = _fresh_comera(out)
+    ids = torch.load(os.path.join(out, "tokens.pt"))
+    vocab = json.load(open(os.path.join(out, "tokenizer_meta.json")))["vocab_size"]
+    data = MLMData(ids["train"], ids["valid"], seq_len=p.seq_len, batch_size=p.batch_size, vocab_size=vocab,
+                   valid_blocks=p.valid_blocks, seed=cfg["seed"])
+    assert evaluate(model, data, torch.device("cpu"), p.batch_size) == pytest.approx(r["valid_loss"], rel=1e-6)
+
+
+def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_run, tmp_path):
+    common = ["--corpus", code_dir, "--method", "comera", *BOTH_RUN]
+    straight, split = both_run, str(tmp_path / "split")
+    assert run_cli("--out", split, "--stop-after", "7", *common) == 0
+    state = ckpt.load(os.path.join(split, "comera", "checkpoint.pt"))
+    assert state["step"] == 7 and state["controller"] is not None
+    first = load_metrics(split)["methods"]["comera"]
+    initial = {n: series[0] for n, series in first["history"]["ranks"]["layers"].items()}
+    assert state["tt_ranks"] != initial  # the checkpoint holds physically pruned layers
+    assert run_cli("--out", split, "--resume", *common) == 0
+    a = load_metrics(straight)["methods"]["comera"]
+    b = load_metrics(split)["methods"]["comera"]
+    assert b["history"]["loss"] == a["history"]["loss"]  # bit for bit
+    assert b["history"]["compression"] == a["history"]["compression"]
+    assert b["history"]["stage"] == a["history"]["stage"]
+    assert b["final_ranks"] == a["final_ranks"]
+    assert b["valid_loss"] == a["valid_loss"]
 
 
 # ----------------------------------------------------------- docstrings

@@ -80,6 +80,13 @@ def make_controller(model: nn.Module, p: Preset):
                                target_compression=p.target_compression, prune_every=p.prune_every)
 
 
+def stage_name(controller) -> str:
+    """"dense", or the rank controller's stage: "1", "2", "2 frozen"."""
+    if controller is None:
+        return "dense"
+    return f"{controller.stage}{' frozen' if getattr(controller, 'frozen', False) else ''}"
+
+
 def _new_history() -> dict:
     return {"step": [], "loss": [], "lr": [], "valid": [], "tokens_per_s": [], "compression": [],
             "whole_compression": [], "stage": [], "ranks": {"step": [], "layers": {}}}
@@ -91,7 +98,7 @@ def _record_structure(history: dict, model: nn.Module, step: int, controller) ->
     whole = counts["dense_equivalent"] / counts["total_live"]
     history["compression"].append([step, conv])
     history["whole_compression"].append([step, whole])
-    history["stage"].append([step, str(controller.stage) if controller is not None else "dense"])
+    history["stage"].append([step, stage_name(controller)])
     ranks = ckpt.tt_live_ranks(model)
     if ranks:
         history["ranks"]["step"].append(step)
@@ -212,7 +219,7 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
             history["valid"].append([step, evaluate(model, data, device, p.batch_size)])
         if step % p.checkpoint_every == 0 and step < p.steps:
             save_checkpoint()
-        stage = str(controller.stage) if controller is not None else "dense"
+        stage = stage_name(controller)
         bar.update(step, loss=loss_value, tokens_per_s=totals["tokens"] / max(totals["train_time_s"], 1e-9),
                    stage=stage, compression=conv)
     bar.close()
