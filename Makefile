@@ -26,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VPY) examples/demo_mlp.py
 
-test: test-c test-python
+test: test-c test-sanitize test-python
 
 test-python: $(STAMP)
 	$(VPY) -m pytest -q tests

@@ -60,16 +60,16 @@ void comera_gemm_pack_b_f64(int64_t K, int64_t N, const double *B,
  * load is in bounds) and are simply not stored. */
 COMERA_CLONES
 static void kernel_f32(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                       const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                       int accumulate) {
+                       const float *Bp, int64_t ldb, float *C, int64_t ldc, int mr,
+                       int nr, int accumulate) {
     const float *a[MR];
     for (int i = 0; i < MR; i++) a[i] = A + (i < mr ? i : mr - 1) * rsa;
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t k = 0; k < K; k++) {
         v8f b0, b1;
-        memcpy(&b0, Bp + k * NR, sizeof b0);
-        memcpy(&b1, Bp + k * NR + 8, sizeof b1);
+        memcpy(&b0, Bp + k * ldb, sizeof b0);
+        memcpy(&b1, Bp + k * ldb + 8, sizeof b1);
         int64_t o = k * csa;
         float s;
         s = a[0][o]; c00 += s * b0; c01 += s * b1;
@@ -107,18 +107,29 @@ static void kernel_f32(int64_t K, const float *A, int64_t rsa, int64_t csa,
     }
 }
 
+/* Packed B columns swept per row group: small enough that the block of B
+ * stays in L2 while every row group of A passes over it, so C is written row
+ * by row (contiguous) instead of one 16-column strip of every row at a time
+ * (a strip of rows a power-of-two stride apart thrashes the cache sets). */
+#define B_BLOCK_BYTES (160 * 1024)
+
 void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
                             const float *A, int64_t rsa, int64_t csa,
                             const float *Bp, float *C, int64_t ldc,
                             int accumulate) {
     if (M <= 0 || N <= 0) return;
-    for (int64_t j0 = 0; j0 < N; j0 += NR) {
-        int nr = (int)(N - j0 < NR ? N - j0 : NR);
-        const float *panel = Bp + j0 * K;
+    int64_t panel_bytes = (K > 0 ? K : 1) * NR * (int64_t)sizeof(float);
+    int64_t nc = (B_BLOCK_BYTES / panel_bytes) * NR;
+    if (nc < NR) nc = NR;
+    for (int64_t jb = 0; jb < N; jb += nc) {
+        int64_t jend = N - jb < nc ? N : jb + nc;
         for (int64_t i0 = 0; i0 < M; i0 += MR) {
             int mr = (int)(M - i0 < MR ? M - i0 : MR);
-            kernel_f32(K, A + i0 * rsa, rsa, csa, panel, C + i0 * ldc + j0,
-                       ldc, mr, nr, accumulate);
+            for (int64_t j0 = jb; j0 < jend; j0 += NR) {
+                int nr = (int)(N - j0 < NR ? N - j0 : NR);
+                kernel_f32(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, NR, C + i0 * ldc + j0,
+                           ldc, mr, nr, accumulate);
+            }
         }
     }
 }

@@ -90,7 +90,9 @@ int comera_tt_shape_build(const comera_tt_linear_desc *d, tt_shape *s) {
     s->seq_state_max = mx;
     s->seq_total = off;
     /* room for per-thread copies of every workspace, with margin */
-    if (!mul_ok(s->seq_total + 2 * mx + s->core_off[s->D], 4 * 64, &v)) return COMERA_ERR_OVERFLOW;
+    if (!mul_ok(mx, 2, &v) || !add_ok(v, s->seq_total, &v) || !add_ok(v, s->core_off[s->D], &v) ||
+        !mul_ok(v, 4 * 64, &v))
+        return COMERA_ERR_OVERFLOW;
     if (!mul_ok(s->P_off[s->D], 4, &v)) return COMERA_ERR_OVERFLOW;
     return COMERA_OK;
 }

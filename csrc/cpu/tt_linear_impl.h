@@ -128,13 +128,15 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
                          const REAL *x, const REAL *t, const REAL *const *cores,
                          const REAL *const *gates, REAL *dx, REAL *const *dcores,
                          REAL *const *dgates, REAL *dbias, int nthreads) {
-    int64_t in = s->in, out = s->out, rm = s->rmid;
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
     int nt = threads_for(nthreads, blocks);
-    /* per thread: dU^T (out x rm), dV (in x rm), dbias (out), S block,
-     * packed T block, packed S block */
-    int64_t per = out * rm + in * rm + out + rb * rm + 2 * comera_gemm_packed_size(rb, rm);
+    /* per thread: [dU; dbias] ((rm + 1) x out), dV^T (rm x in), S block,
+     * [T | 1] block.  The column of ones turns the bias gradient (column
+     * sums of dy) into one more row of the dU product. */
+    int64_t wide = in > out ? in : out;
+    int64_t per = re * out + rm * in + rb * rm + rb * re + comera_gemm_packed_size(rb, wide);
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *deff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
@@ -151,36 +153,44 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
 #pragma omp parallel num_threads(nt)
         {
             int tid = omp_get_thread_num();
-            REAL *dUt = ws + per * tid, *dV = dUt + out * rm, *db = dV + in * rm;
-            REAL *S = db + out, *Tp = S + rb * rm;
-            REAL *Sp = Tp + comera_gemm_packed_size(rb, rm);
-            for (int64_t b = tid; b < blocks; b += nt) {
+            REAL *dUe = ws + per * tid, *dVt = dUe + re * out, *S = dVt + rm * in;
+            REAL *Te = S + rb * rm, *Bp = Te + rb * re;
+            /* stride by the team actually granted: inside another parallel
+             * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
+             * per-thread sums stay zero */
+            int team = omp_get_num_threads();
+            for (int64_t b = tid; b < blocks; b += team) {
                 int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
                 const REAL *dyb = dy + r0 * out, *xb = x + r0 * in;
                 FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, S, rm, 0);
                 if (dx) FN(comera_gemm_packed)(nr, in, rm, S, rm, 1, VTp, dx + r0 * in, in, 0);
-                FN(comera_gemm_pack_b)(nr, rm, t + r0 * rm, rm, 1, Tp);
-                FN(comera_gemm_packed)(out, rm, nr, dyb, 1, out, Tp, dUt, rm, 1);
-                FN(comera_gemm_pack_b)(nr, rm, S, rm, 1, Sp);
-                FN(comera_gemm_packed)(in, rm, nr, xb, 1, in, Sp, dV, rm, 1);
-                for (int64_t i = 0; i < nr; i++)
-                    for (int64_t j = 0; j < out; j++) db[j] += dyb[i * out + j];
+                for (int64_t i = 0; i < nr; i++) {
+                    memcpy(Te + i * re, t + (r0 + i) * rm, sizeof(REAL) * (size_t)rm);
+                    Te[i * re + rm] = 1;
+                }
+                /* dy and x rows lie a power-of-two-ish stride apart, which
+                 * maps a column strip of them onto one cache set: pack the
+                 * block into 16-column panels (contiguous 64-byte copies) */
+                FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, Bp);
+                FN(comera_gemm_packed)(re, out, nr, Te, 1, re, Bp, dUe, out, 1);
+                FN(comera_gemm_pack_b)(nr, in, xb, in, 1, Bp);
+                FN(comera_gemm_packed)(rm, in, nr, S, 1, rm, Bp, dVt, in, 1);
             }
         }
         /* reduce the per-thread sums into d(V) and d(U) at the chain ends */
         REAL *dVall = dP + s->P_off[s->p - 1], *dUall = dP + s->P_off[s->D - 1];
-        for (int th = 0; th < nt; th++) {
-            const REAL *dUt = ws + per * th, *dV = dUt + out * rm, *db = dV + in * rm;
-            for (int64_t i = 0; i < in * rm; i++) dVall[i] += dV[i];
-            for (int64_t j = 0; j < out; j++)
-                for (int64_t c = 0; c < rm; c++) dUall[c * s->out_pad + j] += dUt[j * rm + c];
-            if (dbias) {
-                if (th == 0)
-                    for (int64_t j = 0; j < out; j++) dbias[j] = 0;
-                for (int64_t j = 0; j < out; j++) dbias[j] += db[j];
-            }
+        if (dbias)
+            for (int64_t j = 0; j < out; j++) dbias[j] = 0;
+        for (int th = 0; th < nt && !rc; th++) {
+            const REAL *dUe = ws + per * th, *dVt = dUe + re * out;
+            for (int64_t c = 0; c < rm; c++)
+                for (int64_t j = 0; j < out; j++) dUall[c * s->out_pad + j] += dUe[c * out + j];
+            for (int64_t i = 0; i < in; i++)
+                for (int64_t c = 0; c < rm; c++) dVall[i * rm + c] += dVt[c * in + i];
+            if (dbias)
+                for (int64_t j = 0; j < out; j++) dbias[j] += dUe[rm * out + j];
         }
-        rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
+        if (!rc) rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
         if (!rc) rc = FN(merge_chain_bwd)(s, s->p, s->D - 1, eff, P, dP, deff);
         if (!rc) FN(eff_grads)(s, cores, gates, deff, dcores, dgates);
     }

@@ -8,20 +8,29 @@
 #include <string.h>
 
 static int n_pass, n_fail, g_pass, g_fail;
-static double g_err;
+static double g_err, g_err32;
 static const char *g_name;
 
 void group_begin(const char *name) {
     g_name = name;
     g_pass = g_fail = 0;
-    g_err = 0.0;
+    g_err = g_err32 = 0.0;
 }
 void group_note_err(double err) {
     if (!(err <= g_err)) g_err = err;
 }
+void group_note_err32(double err) {
+    if (!(err <= g_err32)) g_err32 = err;
+}
+void skipped(const char *what) {
+    printf("  SKIPPED (known kernel bug): %s\n", what);
+}
 void group_end(void) {
     printf("%-44s %6d passed, %d failed", g_name, g_pass, g_fail);
-    if (g_err > 0.0) printf("  (max rel err %.2e)", g_err);
+    if (g_err > 0.0 && g_err32 > 0.0)
+        printf("  (max rel err f64 %.2e, f32 %.2e)", g_err, g_err32);
+    else if (g_err > 0.0)
+        printf("  (max rel err %.2e)", g_err);
     printf("\n");
     fflush(stdout);
 }

@@ -11,7 +11,9 @@
 
 /* ---- pass / fail bookkeeping: one line per group, failures listed ---- */
 void group_begin(const char *name);
-void group_note_err(double err); /* largest error seen, shown on the line */
+void group_note_err(double err);   /* largest error seen, shown on the line */
+void group_note_err32(double err); /* the same for float32 results */
+void skipped(const char *what);    /* a known-bug case left out on request */
 void group_end(void);
 void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 int total_passed(void);
@@ -79,6 +81,14 @@ void ref_backward(const tt_case *c, int64_t batch, const double *dy,
                   const double *x, const double *wt, const double *const *cores,
                   const double *const *gates, double *dx, double *dbias,
                   double *const *dcores, double *const *dgates);
+
+/* Cases that expose known kernel bugs (see the test report) run unless
+ * built with -DCOMERA_TEST_SKIP_KNOWN_BUGS (make ... SKIP_KNOWN_BUGS=1). */
+#ifdef COMERA_TEST_SKIP_KNOWN_BUGS
+#define SKIP_KNOWN_BUGS 1
+#else
+#define SKIP_KNOWN_BUGS 0
+#endif
 
 /* test groups living in other files */
 void test_gemm(void);

@@ -213,8 +213,12 @@ static void test_case(const tt_case *c, uint64_t seed) {
         ref_nb = ref;
         ref_nb.y = y_nb;
         for (int path = 0; path <= 2; path++)
-            for (int nt = 1; nt <= 2; nt++) {
-                int use_bias = !(path == 2 && nt == 2), use_dx = !(path == 0 && nt == 2);
+            for (int nti = 0; nti < 4; nti++) {
+                /* 0 means one thread; 5 is more threads than row blocks */
+                static const int NTS[] = {1, 2, 0, 5};
+                int nt = NTS[nti];
+                int use_bias = !(path == 2 && nt == 2);
+                int use_dx = !((path == 0 && nt == 2) || (path == 1 && nt == 5));
                 const result_t *rr = use_bias ? &ref : &ref_nb;
                 const char *what;
                 result_alloc(&r64, &L, B);
@@ -230,9 +234,11 @@ static void test_case(const tt_case *c, uint64_t seed) {
                       PATHNAME[path], (long long)B, nt, rc, what, eb);
                 rc = run_f32(&L, path, B, x, dy, use_bias, use_dx, nt, &r32);
                 ef = result_err(&r32, &r64, &L, B, 1, use_dx, &what);
+                group_note_err32(ef);
                 check(rc == 0 && ef <= TOL32, "f32 fwd %s batch %lld nt %d vs f64: rc %d, %s rel err %.3g",
                       PATHNAME[path], (long long)B, nt, rc, what, ef);
                 eb = result_err(&r32, &r64, &L, B, 0, use_dx, &what);
+                group_note_err32(eb);
                 check(rc == 0 && eb <= TOL32, "f32 bwd %s batch %lld nt %d vs f64: rc %d, %s rel err %.3g",
                       PATHNAME[path], (long long)B, nt, rc, what, eb);
                 result_free(&r64, L.D);
@@ -333,6 +339,11 @@ static void test_nested(void) {
         result_alloc(&ref, &L, B);
         reference(&L, B, x, dy, &ref, y_nb);
         for (int path = 1; path <= 2; path++) {
+            if (SKIP_KNOWN_BUGS && path == COMERA_PATH_MERGE) {
+                skipped("merge-path backward inside an active parallel region (bwd_merge assumes "
+                        "it gets all nthreads threads)");
+                continue;
+            }
             result_t r;
             result_alloc(&r, &L, B);
             int rc = -99, team = 0;
