@@ -55,7 +55,10 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
 
     ``cores`` (input cores first) and ``gates`` follow DESIGN.md section 2;
     computation happens in the cores' dtype (a bfloat16/float16 ``x`` is
-    computed in float32 and returned in its own dtype).
+    computed in float32 and returned in its own dtype).  Under
+    ``torch.autocast("cuda")`` a CUDA call runs in the autocast dtype, like
+    :class:`torch.nn.Linear`: cores, gates and bias are cast per call and
+    their gradients flow back in their own dtype.
 
     Example:
         >>> import torch, comera
@@ -66,13 +69,19 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         torch.Size([3, 4])
     """
     compute = cores[0].dtype
+    autocast = x.is_cuda and torch.is_autocast_enabled("cuda")
+    if autocast:
+        compute = torch.get_autocast_dtype("cuda")
+        cores = [c.to(compute) for c in cores]
+        gates = [g.to(compute) for g in gates]
+        bias = bias.to(compute) if bias is not None else None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != compute:
         x2 = x2.to(compute)
     y, _ = torch.ops.comera.tt_linear(x2.contiguous(), list(cores), list(gates), bias,
                                       num_in_cores, out_features, PATHS[path])
-    if y.dtype != x.dtype:
+    if y.dtype != x.dtype and not autocast:
         y = y.to(x.dtype)
     return y.reshape(*lead, out_features)
 
