@@ -320,7 +320,9 @@ def targets(result):
                                       f"{t['rows']} rows, {t['dtype']}, fwd+bwd ({mode})",
                             "want_x": t["x"], "got_x": x, "met": x >= t["x"]})
         for c in result["transformer"]:
-            if c.get("mode") == mode and "comera" in c.get("x_vs_dense", {}):
+            cfg = c.get("config", {"d": 768, "layers": 6})  # the model only
+            if (c.get("mode") == mode and "comera" in c.get("x_vs_dense", {}) and
+                    (cfg["d"], cfg["layers"]) == (768, 6)):
                 x = c["x_vs_dense"]["comera"]
                 out.append({"target": f"six-encoder training step, comera vs dense ({mode})",
                             "want_x": TARGET_TRANSFORMER_X, "got_x": x,

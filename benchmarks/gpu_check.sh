@@ -144,7 +144,8 @@ say "benchmarks: $bench_status"
         echo
         echo "## Test failures"
         echo '```'
-        grep -E '^(FAILED|ERROR)' "$OUT/pytest.log" | head -n 40
+        failures="$(grep -E '^(FAILED|ERROR)' "$OUT/pytest.log" | head -n 40)"
+        echo "${failures:-none}"
         echo '```'
     fi
     if [ -f "$OUT/gpu_bench.md" ]; then
