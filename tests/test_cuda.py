@@ -99,8 +99,11 @@ def test_cuda_matches_cpu_float64(shape, dtype, path, batch):
         _close(g, r, rel, name)
     for k, (g, r) in enumerate(zip(got[3], ref[3])):
         _close(g, r, rel, f"grad core {k}")
+    # a gate gradient sums over a whole core, with cancellation: in 16-bit
+    # types its error relative to its largest entry is a few times larger
+    grel = 3 * rel if dtype in (torch.bfloat16, torch.float16) else rel
     for k, (g, r) in enumerate(zip(got[4], ref[4])):
-        _close(g, r, rel, f"grad gate {k}")
+        _close(g, r, grel, f"grad gate {k}")
     _close(got[5], ref[5], rel, "grad bias")
 
 
@@ -277,3 +280,38 @@ def test_mixed_devices_are_refused():
     with pytest.raises(RuntimeError, match="path"):
         torch.ops.comera.tt_linear(torch.randn(3, 12, dtype=torch.float64, device=DEV),
                                    cs, gs, None, p, 20, 3)
+
+
+@pytest.mark.parametrize("kill", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gate_prox_on_device_matches_cpu(dtype, kill):
+    if dtype not in _dtypes():
+        pytest.skip("bfloat16/float16 gates exist on CUDA only")
+    torch.manual_seed(3)
+    sizes = [1, 5, 17, 40, 8]
+    gates = [(torch.rand(n, dtype=torch.float64) - 0.5) * 0.05 for n in sizes]
+    signs = [torch.randint(-1, 2, (n,), dtype=torch.int8) for n in sizes]
+    ref_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    ref_g = [g.to(dtype).to(ref_dtype) for g in gates]
+    ref_s = [s.clone() for s in signs]
+    dev_g = [g.to(DEV, dtype) for g in gates]
+    dev_s = [s.to(DEV) for s in signs]
+    want = comera.ops.gate_prox_(ref_g, ref_s, threshold=0.01, min_live=3, kill=kill)
+    got = comera.ops.gate_prox_(dev_g, dev_s, threshold=0.01, min_live=3, kill=kill)
+    assert got.device.type == "cpu" and got.tolist() == want.tolist()
+    for g, s, rg, rs in zip(dev_g, dev_s, ref_g, ref_s):
+        assert torch.equal(s.cpu(), rs)
+        assert torch.equal(g.cpu().to(ref_dtype), rg)
+    if ON_GPU:  # the CUDA kernel served it, not the torch fallback
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("comera::gate_prox_", "CUDA")
+
+
+def test_gate_prox_nan_leaves_every_gate_alone_on_device():
+    gates = [torch.tensor([0.5, -0.001, 0.2], device=DEV), torch.tensor([float("nan"), 1.0], device=DEV)]
+    signs = [torch.tensor([1, 1, -1], dtype=torch.int8, device=DEV),
+             torch.tensor([1, 1], dtype=torch.int8, device=DEV)]
+    before = [g.clone() for g in gates]
+    live = comera.ops.gate_prox_(gates, signs, threshold=0.01)
+    assert live.tolist() == [0, -1]
+    torch.testing.assert_close(gates[0], before[0])
+    assert signs[0].tolist() == [1, 1, -1]

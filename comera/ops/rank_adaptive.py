@@ -1,9 +1,10 @@
 """The comera::gate_prox_ operator: the fused proximal step on TT gates.
 
 See csrc/include/comera/rank_adaptive.h for the exact rule.  The C kernel
-serves CPU tensors; gates on other devices (a GPU run) go through the same
-rule written with torch ops below, so RankAdaptive works wherever the model
-lives.  Gates are short (one entry per rank), so that path costs little.
+serves CPU tensors and, in a CUDA build, a CUDA kernel serves CUDA tensors;
+gates elsewhere go through the same rule written with torch ops below, so
+RankAdaptive works wherever the model lives.  Gates are short (one entry per
+rank), so that path costs little.
 """
 from typing import List, Sequence
 
@@ -47,6 +48,11 @@ def _gate_prox_torch(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor
     return torch.tensor(live, dtype=torch.int64)
 
 
+def _has_cuda_kernel() -> bool:
+    """Whether this build registered the CUDA kernel of comera::gate_prox_."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("comera::gate_prox_", "CUDA")
+
+
 def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], threshold: float,
                min_live: int = 1, kill: bool = True) -> torch.Tensor:
     """One fused proximal step over many gate vectors, in place.
@@ -72,7 +78,8 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
         raise ValueError(f"gate_prox_: got {len(gates)} gates but {len(signs)} sign vectors")
     if not gates:
         return torch.empty(0, dtype=torch.int64)
-    if all(g.device.type == "cpu" for g in gates):
+    devices = {g.device.type for g in gates}
+    if devices == {"cpu"} or (devices == {"cuda"} and _has_cuda_kernel()):
         with torch.no_grad():
             return torch.ops.comera.gate_prox_(gates, signs, float(threshold), int(min_live),
                                                bool(kill))

@@ -77,6 +77,17 @@ int comera_tt_linear_bwd_cuda(const comera_tt_linear_desc *d, int path, int dtyp
                               void *workspace, size_t workspace_bytes,
                               cublasHandle_t handle, cudaStream_t stream);
 
+/* ---- gate proximal step (comera::gate_prox_) -----------------------------
+ *
+ * The rule of comera_gate_prox_f32/f64 (comera/rank_adaptive.h) on device
+ * data, all gates of one dtype.  `table` is a device array of 3 * num_gates
+ * int64: the gates' device pointers, then the int8 sign vectors' device
+ * pointers, then the sizes.  `live` (device, num_gates int64) receives each
+ * gate's live count, -1 for a gate holding a NaN (then nothing changes).
+ * threshold < 0 disables the dead zone; NaN is an argument error. */
+int comera_gate_prox_cuda(int dtype, int64_t num_gates, const int64_t *table, double threshold,
+                          int64_t min_live, int kill, int64_t *live, cudaStream_t stream);
+
 /* ---- gate soft threshold --------------------------------------------------
  *
  * g = sign(g) * max(|g| - threshold, 0) over n elements in place; exact
