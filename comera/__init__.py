@@ -6,9 +6,17 @@ Quick start:
     >>> layer(torch.randn(4, 768)).shape
     torch.Size([4, 3072])
 """
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 from comera import _C  # noqa: F401  (loads and registers the operators)
 from comera import ops
+from comera.checkpoint import load_state_dict
+from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
+from comera.prune import prune
+from comera.rank_adaptive import RankAdaptive
+from comera.summary import compression, summary
 
 __version__ = "0.1.0"
-__all__ = ["TTLinear", "ops"]
+__all__ = ["TTLinear", "TTEmbedding", "RankAdaptive", "prune", "summary", "compression",
+           "load_state_dict", "ops"]

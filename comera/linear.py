@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from comera import tt
+from comera.layer_base import TTLayerMixin
 from comera.ops.linear import PATHS, tt_linear, tt_linear_plan
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -26,7 +27,7 @@ def _check_shape(shape, features, name):
     return shape
 
 
-class TTLinear(nn.Module):
+class TTLinear(TTLayerMixin, nn.Module):
     r"""``y = x W^T + b`` with ``W`` stored as a tensor train (DESIGN.md section 2).
 
     Args:

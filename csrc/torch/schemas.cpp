@@ -19,6 +19,31 @@ TORCH_LIBRARY(comera, m) {
           "int in_features, int out_features, int batch) -> Tensor");
 
     // --- tt_embedding (TTEmbedding) ---
+    // Lookup of a TTM-format embedding (DESIGN.md section 3).  cores[k] is
+    // (r_k, v_k, e_k, r_{k+1}); mode 0 plain (output (N, embedding_dim)), 1 sum
+    // and 2 mean over bags (offsets has num_bags + 1 entries, output
+    // (num_bags, embedding_dim)); padding_idx -1 for none; reuse 0 auto,
+    // 1 none, 2 dedup, 3 dedup + shared prefixes.
+    m.def("tt_embedding(Tensor indices, Tensor? offsets, Tensor? per_sample_weights, "
+          "Tensor[] cores, Tensor[] gates, int num_embeddings, int embedding_dim, "
+          "int padding_idx, int mode, int reuse) -> Tensor");
+    // Gradients of tt_embedding with respect to the cores and gates.
+    m.def("tt_embedding_backward(Tensor grad_out, Tensor indices, Tensor? offsets, "
+          "Tensor? per_sample_weights, Tensor[] cores, Tensor[] gates, int num_embeddings, "
+          "int embedding_dim, int padding_idx, int mode, int reuse) -> (Tensor[], Tensor[])");
+    // The planner's numbers for one batch as a float64 tensor: [reuse, rows,
+    // unique, flops none/dedup/prefix, seconds none/dedup/prefix, distinct
+    // prefixes per level].
+    m.def("tt_embedding_plan(Tensor indices, Tensor? offsets, int[] row_modes, "
+          "int[] dim_modes, int[] ranks, int num_embeddings, int embedding_dim, "
+          "int padding_idx, int mode) -> Tensor");
 
     // --- rank adaptation (gate proximal step) ---
+    // Fused proximal step on TT gates after an optimizer step, in place: dead
+    // entries (signs == 0) are re-zeroed; with kill, entries within threshold
+    // of zero or whose sign changed die (gate and sign set to 0), keeping at
+    // least min_live per gate.  Returns the live count per gate (int64), -1
+    // for a gate holding a NaN (then nothing is modified).
+    m.def("gate_prox_(Tensor(a!)[] gates, Tensor(b!)[] signs, float threshold, int min_live, "
+          "bool kill) -> Tensor");
 }

@@ -372,6 +372,7 @@ static void test_nested(void) {
 }
 
 void test_check_and_plan(void); /* test_check.c */
+void test_gate_prox(void);      /* test_rank_adaptive.c */
 
 int main(void) {
     test_gemm();
@@ -379,6 +380,7 @@ int main(void) {
     for (int ci = 0; ci < NCASES; ci++) test_case(&CASES[ci], 1234 + (uint64_t)ci);
     test_fd();
     test_nested();
+    test_gate_prox();
     printf("%d passed, %d failed\n", total_passed(), total_failed());
     return total_failed() ? 1 : 0;
 }

@@ -1,0 +1,175 @@
+"""The comera::tt_embedding operator: fake, autograd, and a convenient wrapper."""
+from typing import Optional, Sequence
+
+import torch
+
+from comera import _C  # noqa: F401  (registers the operators)
+
+MODES = {None: 0, "sum": 1, "mean": 2}
+REUSE = {"auto": 0, "none": 1, "dedup": 2, "prefix": 3}
+REUSE_NAMES = {v: k for k, v in REUSE.items()}
+
+
+@torch.library.register_fake("comera::tt_embedding")
+def _tt_embedding_fake(indices, offsets, per_sample_weights, cores, gates, num_embeddings,
+                       embedding_dim, padding_idx, mode, reuse):
+    rows = indices.shape[0] if mode == 0 else offsets.shape[0] - 1
+    return cores[0].new_empty(rows, embedding_dim)
+
+
+@torch.library.register_fake("comera::tt_embedding_backward")
+def _tt_embedding_backward_fake(grad_out, indices, offsets, per_sample_weights, cores, gates,
+                                num_embeddings, embedding_dim, padding_idx, mode, reuse):
+    return [torch.empty_like(c) for c in cores], [torch.empty_like(g) for g in gates]
+
+
+def _setup_context(ctx, inputs, output):
+    (indices, offsets, psw, cores, gates, num_embeddings, embedding_dim, padding_idx, mode,
+     reuse) = inputs
+    ctx.save_for_backward(indices, offsets, psw, *cores, *gates)
+    ctx.num_cores = len(cores)
+    ctx.args = (num_embeddings, embedding_dim, padding_idx, mode, reuse)
+
+
+def _psw_grad(indices, offsets, cores, gates, grad, args):
+    """d(out[bag]) / d(w_p) = row(indices[p]) for the bag holding position p."""
+    num_embeddings, embedding_dim, padding_idx, _, reuse = args
+    n = indices.shape[0]
+    if grad.shape[0] == 0 or n == 0:
+        return grad.new_zeros(n)
+    rows = torch.ops.comera.tt_embedding(indices, None, None, cores, gates, num_embeddings,
+                                         embedding_dim, padding_idx, 0, reuse)
+    pos = torch.arange(n, device=indices.device, dtype=offsets.dtype)
+    # offsets end at n, so every position lies in a bag; clamp keeps the
+    # gather in range for positions past the last (non-empty) bag start
+    bag = (torch.searchsorted(offsets, pos, right=True) - 1).clamp(0, grad.shape[0] - 1)
+    return (rows * grad[bag]).sum(-1)
+
+
+def _backward(ctx, grad):
+    indices, offsets, psw, *rest = ctx.saved_tensors
+    cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
+    grad = grad.contiguous()
+    gcores, ggates = torch.ops.comera.tt_embedding_backward(
+        grad, indices, offsets, psw, cores, gates, *ctx.args)
+    gpsw = None
+    if ctx.needs_input_grad[2]:
+        gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args)
+    return (None, None, gpsw, list(gcores), list(ggates), None, None, None, None, None)
+
+
+torch.library.register_autograd("comera::tt_embedding", _backward, setup_context=_setup_context)
+
+
+def _check_indices(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must be an int64 or int32 tensor, got {t.dtype}")
+    return t
+
+
+def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
+                 gates: Sequence[torch.Tensor], num_embeddings: int, embedding_dim: int, *,
+                 offsets: Optional[torch.Tensor] = None,
+                 per_sample_weights: Optional[torch.Tensor] = None,
+                 padding_idx: Optional[int] = None, mode: Optional[str] = None,
+                 include_last_offset: bool = False, reuse: str = "auto") -> torch.Tensor:
+    """Looks up rows of a TTM-format embedding table (DESIGN.md section 3).
+
+    Plain mode (``mode=None``): ``input`` of any shape, output
+    ``(*input.shape, embedding_dim)``.  Bag modes (``"sum"``, ``"mean"``):
+    ``input`` 1-D with ``offsets`` (one start per bag; with
+    ``include_last_offset`` one more entry, equal to ``len(input)``) or 2-D
+    (one bag per row), output ``(num_bags, embedding_dim)``, like
+    :func:`torch.nn.functional.embedding_bag`.  ``reuse`` picks the lookup
+    strategy: ``"auto"`` (planner), ``"none"`` (every index on its own),
+    ``"dedup"`` (each distinct row once), ``"prefix"`` (dedup and shared
+    prefixes of the contraction reused).
+
+    Example:
+        >>> import torch, comera
+        >>> emb = comera.TTEmbedding(100, 12, rank=4)
+        >>> out = comera.ops.tt_embedding(torch.tensor([[1, 2], [3, 1]]), list(emb.cores),
+        ...                               list(emb.gates), 100, 12)
+        >>> out.shape
+        torch.Size([2, 2, 12])
+    """
+    _check_indices("input", input)
+    if mode not in MODES:
+        raise ValueError(f"mode must be None, 'sum' or 'mean', got {mode!r}")
+    if reuse not in REUSE:
+        raise ValueError(f"reuse must be one of {sorted(REUSE)}, got {reuse!r}")
+    pad = -1 if padding_idx is None else padding_idx
+    cores, gates = list(cores), list(gates)
+    if mode is None:
+        if offsets is not None or per_sample_weights is not None:
+            raise ValueError("offsets and per_sample_weights are only valid in bag modes "
+                             "(mode='sum' or 'mean')")
+        out = torch.ops.comera.tt_embedding(input.reshape(-1), None, None, cores, gates,
+                                            num_embeddings, embedding_dim, pad, 0, REUSE[reuse])
+        return out.reshape(*input.shape, embedding_dim)
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets must be None when input is 2-D (one bag per row), "
+                             f"got offsets of shape {tuple(offsets.shape)}")
+        bags, length = input.shape
+        offsets = torch.arange(0, bags * length + 1, max(length, 1), device=input.device)
+        if length == 0:
+            offsets = torch.zeros(bags + 1, dtype=torch.int64, device=input.device)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+        input = input.reshape(-1)
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets is required when input is 1-D in bag modes")
+        _check_indices("offsets", offsets)
+        if offsets.dim() != 1:
+            raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+        offsets = offsets.to(torch.int64)
+        if not include_last_offset:
+            offsets = torch.cat([offsets, offsets.new_full((1,), input.shape[0])])
+        elif offsets.shape[0] == 0:
+            raise ValueError("offsets must have at least one entry with include_last_offset=True")
+    else:
+        raise ValueError(f"input must be 1-D (with offsets) or 2-D in bag modes, got "
+                         f"{input.dim()}-D")
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise ValueError("per_sample_weights are only supported with mode='sum', "
+                             f"got mode={mode!r}")
+        if per_sample_weights.shape != input.shape:
+            raise ValueError(f"per_sample_weights must have the shape of input "
+                             f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
+        per_sample_weights = per_sample_weights.to(cores[0].dtype)
+    return torch.ops.comera.tt_embedding(input, offsets, per_sample_weights, cores, gates,
+                                         num_embeddings, embedding_dim, pad, MODES[mode],
+                                         REUSE[reuse])
+
+
+def tt_embedding_plan(input: torch.Tensor, row_shape: Sequence[int], dim_shape: Sequence[int],
+                      ranks: Sequence[int], num_embeddings: int, embedding_dim: int,
+                      padding_idx: Optional[int] = None) -> dict:
+    """The C planner's view of one batch of plain lookups: distinct rows,
+    distinct prefixes per level, and modelled flops/seconds per strategy.
+
+    Example:
+        >>> import torch
+        >>> from comera.ops import tt_embedding_plan
+        >>> p = tt_embedding_plan(torch.tensor([5, 5, 6, 70]), [10, 10], [4, 4], [1, 3, 1], 100, 16)
+        >>> p["unique"], p["prefixes"]
+        (3, [2, 3])
+    """
+    _check_indices("input", input)
+    v = torch.ops.comera.tt_embedding_plan(
+        input.reshape(-1), None, list(row_shape), list(dim_shape), list(ranks), num_embeddings,
+        embedding_dim, -1 if padding_idx is None else padding_idx, 0).tolist()
+    names = ("none", "dedup", "prefix")
+    return {
+        "reuse": REUSE_NAMES[int(v[0])],
+        "rows": int(v[1]),
+        "unique": int(v[2]),
+        "flops": {n: v[3 + i] for i, n in enumerate(names)},
+        "seconds": {n: v[6 + i] for i, n in enumerate(names)},
+        "prefixes": [int(x) for x in v[9:]],
+    }
