@@ -304,6 +304,25 @@ def test_untie_converts_tied_layers_separately_with_a_warning(caplog):
     assert "untying" in caplog.text
 
 
+def test_weight_shared_with_another_kind_of_module_stays_dense(caplog):
+    class Scale(nn.Module):                  # uses the Linear's weight in its own way
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return x * self.w.sum()
+
+    lin = nn.Linear(64, 64)
+    net = nn.Sequential(lin, Scale(lin.weight))
+    with caplog.at_level(logging.INFO, logger="comera"):
+        comera.convert(net, rank=4)
+    assert net[0] is lin and net[1].w is lin.weight
+    assert "weight also held by 1.w" in caplog.text
+    comera.convert(net, rank=4, tie="untie")
+    assert isinstance(net[0], comera.TTLinear)
+
+
 def test_skip_leaves_tied_layers_dense():
     net = comera.convert(_tied_linears(), rank=4, tie="skip")
     assert type(net[0]) is nn.Linear and net[0].weight is net[2].weight
