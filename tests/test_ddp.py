@@ -1,8 +1,12 @@
 """DistributedDataParallel (gloo, 2 processes on this machine) on converted models.
 
-Each worker checks its own assertions; a failure in a worker fails the test
-through torch.multiprocessing.spawn."""
+One spawn of 2 workers (starting processes is the slow part) runs both
+checks in turn; each worker asserts, records which checks passed, and a
+failure stops both workers (torch.multiprocessing.spawn), so the checks
+after it report that they did not run."""
 import copy
+import datetime
+import os
 
 import pytest
 import torch
@@ -18,7 +22,9 @@ WORLD = 2
 
 def _init(rank, init_file):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    # a timeout, so a worker left alone in a collective fails instead of hanging
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
 
 
 def _model():
@@ -41,31 +47,27 @@ def _gather(t):
     return out
 
 
-def _grad_worker(rank, init_file):
-    _init(rank, init_file)
-    try:
-        model = _model()
-        assert sum(isinstance(m, comera.TTLinear) for m in model.modules()) == 4
-        single = copy.deepcopy(model)                     # the single-process reference
-        ddp = DDP(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        opt_ref = torch.optim.SGD(single.parameters(), lr=0.05)
-        half = slice(rank * 4, (rank + 1) * 4)
-        for x, y in _data(3):
-            opt.zero_grad()
-            opt_ref.zero_grad()
-            nn.functional.mse_loss(ddp(x[half]), y[half]).backward()
-            nn.functional.mse_loss(single(x), y).backward()      # the concatenated batch
-            for (name, p), q in zip(model.named_parameters(), single.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
-                g0, g1 = _gather(p.grad)
-                assert torch.equal(g0, g1), name
-            opt.step()
-            opt_ref.step()
-        for p, q in zip(model.parameters(), single.parameters()):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    finally:
-        dist.destroy_process_group()
+def _grad_phase(rank):
+    model = _model()
+    assert sum(isinstance(m, comera.TTLinear) for m in model.modules()) == 4
+    single = copy.deepcopy(model)                     # the single-process reference
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(single.parameters(), lr=0.05)
+    half = slice(rank * 4, (rank + 1) * 4)
+    for x, y in _data(3):
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        nn.functional.mse_loss(ddp(x[half]), y[half]).backward()
+        nn.functional.mse_loss(single(x), y).backward()      # the concatenated batch
+        for (name, p), q in zip(model.named_parameters(), single.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+            g0, g1 = _gather(p.grad)
+            assert torch.equal(g0, g1), name
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(model.parameters(), single.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
 def _same_everywhere(obj):
@@ -74,58 +76,78 @@ def _same_everywhere(obj):
     return all(o == everyone[0] for o in everyone)
 
 
-def _rank_adaptive_worker(rank, init_file):
+def _rank_adaptive_phase(rank):
     from comera.integrations import ddp as cddp
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    start = comera.compression(model)
+    ra = comera.RankAdaptive(model, gamma=1e-2, threshold=1e-2, stage1_steps=6, stage2_steps=12,
+                             target_compression=2.0 * start)
+    half = slice(rank * 4, (rank + 1) * 4)
+    old = ddp                                   # an old wrapper that stays referenced
+    rewraps = 0
+    for step, (x, y) in enumerate(_data(18)):
+        loss = nn.functional.mse_loss(ddp(x[half]), y[half]) + ra.penalty()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ra.step(opt)
+        if step % 3 == 2:
+            new, pruned = cddp.prune(ddp, opt)
+            assert (new is ddp) == (not pruned)
+            rewraps += new is not ddp
+            ddp = new
+            assert _same_everywhere(cddp.all_ranks(model))
+    assert rewraps >= 1 and old is not ddp
+    assert ra.compression() >= 2.0 * start * 0.97, (ra.compression(), start)
+    assert _same_everywhere([p.detach().tolist() for p in model.parameters()])
+    # the re-wrapped model still gives the single-process gradients
+    single = copy.deepcopy(model)
+    x, y = _data(1, batch=8)[0]
+    opt.zero_grad()
+    nn.functional.mse_loss(ddp(x[half]), y[half]).backward()
+    nn.functional.mse_loss(single(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), single.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+PHASES = [_grad_phase, _rank_adaptive_phase]
+
+
+def _worker(rank, init_file, out_dir):
     _init(rank, init_file)
     try:
-        model = _model()
-        ddp = DDP(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        ra = comera.RankAdaptive(model, gamma=1e-2, threshold=1e-2, stage1_steps=6, stage2_steps=12,
-                                 target_compression=None)
-        start = ra.compression()
-        ra = comera.RankAdaptive(model, gamma=1e-2, threshold=1e-2, stage1_steps=6, stage2_steps=12,
-                                 target_compression=2.0 * start)
-        half = slice(rank * 4, (rank + 1) * 4)
-        old = ddp                                   # an old wrapper that stays referenced
-        rewraps = 0
-        for step, (x, y) in enumerate(_data(18)):
-            loss = nn.functional.mse_loss(ddp(x[half]), y[half]) + ra.penalty()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            ra.step(opt)
-            if step % 3 == 2:
-                new, pruned = cddp.prune(ddp, opt)
-                assert (new is ddp) == (not pruned)
-                rewraps += new is not ddp
-                ddp = new
-                assert _same_everywhere(cddp.all_ranks(model))
-        assert rewraps >= 1 and old is not ddp
-        assert ra.compression() >= 2.0 * start * 0.97, (ra.compression(), start)
-        assert _same_everywhere([p.detach().tolist() for p in model.parameters()])
-        # the re-wrapped model still gives the single-process gradients
-        single = copy.deepcopy(model)
-        x, y = _data(1, batch=8)[0]
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x[half]), y[half]).backward()
-        nn.functional.mse_loss(single(x), y).backward()
-        for (name, p), q in zip(model.named_parameters(), single.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+        for phase in PHASES:
+            phase(rank)
+            dist.barrier()
+            open(os.path.join(out_dir, f"{phase.__name__}.{rank}.ok"), "w").close()
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(fn, tmp_path):
-    init_file = str(tmp_path / "ddp_init")
-    mp.spawn(fn, args=(init_file,), nprocs=WORLD, join=True)
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """Runs every phase in 2 gloo processes once; returns (out_dir, error text or None)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    out = tmp_path_factory.mktemp("ddp")
+    try:
+        mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
+        return out, None
+    except Exception as err:                  # a worker failed: the phases after it did not run
+        return out, f"{type(err).__name__}: {err}"
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-def test_ddp_gradients_equal_single_process_on_concatenated_batch(tmp_path):
-    _spawn(_grad_worker, tmp_path)
+def _check(ddp_run, phase):
+    out, error = ddp_run
+    done = all(os.path.exists(out / f"{phase.__name__}.{r}.ok") for r in range(WORLD))
+    assert done, f"{phase.__name__} failed or did not run:\n{error}"
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-def test_ddp_rank_adaptive_and_prune_keep_ranks_identical(tmp_path):
-    _spawn(_rank_adaptive_worker, tmp_path)
+def test_ddp_gradients_equal_single_process_on_concatenated_batch(ddp_run):
+    _check(ddp_run, _grad_phase)
+
+
+def test_ddp_rank_adaptive_and_prune_keep_ranks_identical(ddp_run):
+    _check(ddp_run, _rank_adaptive_phase)
