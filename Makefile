@@ -8,7 +8,7 @@ PIP := $(VPY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.comera-installed
 
-.PHONY: all demo test test-python test-c test-sanitize check-cuda test-cuda-emu venv-cuda bench clean
+.PHONY: all demo demo-mlp test test-python test-c test-sanitize check-cuda test-cuda-emu venv-cuda bench clean
 
 all: test
 
@@ -23,7 +23,12 @@ $(STAMP): $(VPY) setup.py pyproject.toml $(wildcard csrc/*/*.c csrc/*/*.h csrc/*
 
 install: $(STAMP)
 
+# The main job: tiny CodeBERT-style pre-training on the standard library,
+# dense against CoMERA, report under runs/ (a few minutes on 2 cores).
 demo: $(STAMP)
+	$(VPY) -m comera pretrain
+
+demo-mlp: $(STAMP)
 	$(VPY) examples/demo_mlp.py
 
 test: test-c test-sanitize test-python

@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from comera.layer_base import checkpoint_shapes, tt_layers
+from comera.layer_base import checkpoint_shapes, resize_to_checkpoint, tt_layers
 
 
 def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
@@ -39,6 +39,10 @@ def load_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], st
     if not isinstance(state_dict, Mapping):
         raise TypeError("load_state_dict: state_dict must be a mapping of names to tensors, got "
                         f"{type(state_dict).__name__}")
-    for name, layer in tt_layers(model):
-        checkpoint_shapes(layer, state_dict, f"{name}." if name else "")  # raises, naming the layer
+    layers = [(layer, f"{name}." if name else "") for name, layer in tt_layers(model)]
+    for layer, prefix in layers:
+        checkpoint_shapes(layer, state_dict, prefix)  # raises, naming the layer; nothing resized yet
+    for layer, prefix in layers:
+        # TTLayerMixin layers would resize themselves; duck-typed ones need it done here
+        resize_to_checkpoint(layer, state_dict, prefix)
     return model.load_state_dict(state_dict, strict=strict)

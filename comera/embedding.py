@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from comera import tt
+from comera.layer_base import TTLayerMixin
 from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
 
 DEFAULT_CORES = 3
@@ -85,7 +86,7 @@ def ttm_full(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> to
     return P.reshape(P.shape[0], P.shape[1])
 
 
-class TTEmbedding(nn.Module):
+class TTEmbedding(TTLayerMixin, nn.Module):
     r"""An embedding table stored as a tensor train (DESIGN.md section 3).
 
     Row ``t`` has the row-major multi-index ``(i_1..i_d)`` over ``row_shape``

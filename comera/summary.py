@@ -7,8 +7,9 @@ from comera.layer_base import dense_params, live_ranks, size_from_ranks, tt_laye
 
 
 def _shapes(layer: nn.Module) -> str:
-    if hasattr(layer, "in_shape") and hasattr(layer, "out_shape"):
-        return "x".join(map(str, layer.in_shape)) + " -> " + "x".join(map(str, layer.out_shape))
+    for a, b in (("in_shape", "out_shape"), ("row_shape", "dim_shape")):  # linear, embedding
+        if hasattr(layer, a) and hasattr(layer, b):
+            return "x".join(map(str, getattr(layer, a))) + " -> " + "x".join(map(str, getattr(layer, b)))
     # generic: the modes of each core (an embedding core has (v_k, e_k))
     modes = [tuple(c.shape[1:-1]) for c in layer.cores]
     cols = list(zip(*modes)) if modes and all(len(m) == len(modes[0]) for m in modes) else [modes]

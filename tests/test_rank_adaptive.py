@@ -96,6 +96,20 @@ def test_gate_prox_nan_changes_nothing_and_reports_the_gate():
     assert all(bool((s == 1).all()) for s in signs)
 
 
+def test_gate_prox_mixed_dtypes_and_nan_in_one_group():
+    g32, g64 = torch.tensor([0.5, 1e-5]), torch.tensor([1e-5, -0.3], dtype=torch.float64)
+    s32, s64 = torch.ones(2, dtype=torch.int8), torch.ones(2, dtype=torch.int8)
+    assert comera.ops.gate_prox_([g32, g64], [s32, s64], 1e-3).tolist() == [1, 1]
+    assert g32.tolist() == [0.5, 0.0] and s32.tolist() == [1, 0]
+    # both float64 entries are doomed (dead zone, sign change); min_live keeps the larger
+    assert g64.tolist() == [0.0, -0.3] and s64.tolist() == [0, -1]
+    # a NaN in the float64 group leaves the float32 group untouched too
+    g32, g64 = torch.tensor([0.5, 1e-5]), torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    s32, s64 = torch.ones(2, dtype=torch.int8), torch.ones(2, dtype=torch.int8)
+    assert comera.ops.gate_prox_([g32, g64], [s32, s64], 1e-3).tolist() == [0, -1]
+    assert g32.tolist() == [0.5, torch.tensor(1e-5).item()] and s32.tolist() == [1, 1]
+
+
 def test_gate_prox_argument_errors():
     g, s = torch.ones(3), torch.ones(3, dtype=torch.int8)
     with pytest.raises(ValueError, match="2 gates but 1 sign"):

@@ -78,12 +78,26 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
         raise ValueError(f"gate_prox_: got {len(gates)} gates but {len(signs)} sign vectors")
     if not gates:
         return torch.empty(0, dtype=torch.int64)
-    devices = {g.device.type for g in gates}
-    if devices == {"cpu"} or (devices == {"cuda"} and _has_cuda_kernel()):
-        with torch.no_grad():
-            return torch.ops.comera.gate_prox_(gates, signs, float(threshold), int(min_live),
-                                               bool(kill))
-    return _gate_prox_torch(gates, signs, float(threshold), int(min_live), bool(kill))
+    # one fused call per (device, dtype): a model may mix float32 and float64 layers
+    groups = {}
+    for i, g in enumerate(gates):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    if len(groups) > 1:
+        # a NaN anywhere must leave every gate unchanged, so look before any group runs
+        bad = [bool(torch.isnan(g).any()) for g in gates]
+        if any(bad):
+            return torch.tensor([-1 if b else 0 for b in bad], dtype=torch.int64)
+    live = torch.empty(len(gates), dtype=torch.int64)
+    for (device, _), idx in groups.items():
+        gs, ss = [gates[i] for i in idx], [signs[i] for i in idx]
+        if device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernel()):
+            with torch.no_grad():
+                out = torch.ops.comera.gate_prox_(gs, ss, float(threshold), int(min_live),
+                                                  bool(kill))
+        else:
+            out = _gate_prox_torch(gs, ss, float(threshold), int(min_live), bool(kill))
+        live[idx] = out.cpu()
+    return live
 
 
 __all__: List[str] = ["gate_prox_"]
