@@ -6,11 +6,10 @@ names of ``model.named_modules()``; ``*`` also matches dots).  Weight ties
 (an LM head sharing the word embedding's weight) are detected by parameter
 identity and are never broken silently: see ``tie`` in :func:`convert`.
 """
-import copy
 import fnmatch
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from torch import nn
 from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
 from comera.tied import TiedTTLinear
+from comera.ties import group_source, hf_after_convert, hf_after_to_dense, resolve_ties
 
 logger = logging.getLogger("comera")
 
@@ -170,6 +170,23 @@ def _build_random(layer: _Layer, rank) -> nn.Module:
                          f"rank={rank!r}: {err}") from err
 
 
+@torch.no_grad()
+def _match_scale(layer: _Layer) -> None:
+    """Scales freshly drawn cores so the reconstructed weight has the mean
+    square of the dense weight it replaces.  For a layer built with its
+    default init this is that init's variance; for a model with its own init
+    (HF models draw N(0, 0.02^2)) it keeps the model's scale.  A zero dense
+    weight keeps the TT layer's own default init."""
+    target = layer.module.weight.detach().float().pow(2).mean().item()
+    current = layer.new.weight.detach().float().pow(2).mean().item()
+    if not (target > 0 and current > 0) or target == float("inf"):
+        return
+    cores = list(layer.new.cores)
+    factor = (target / current) ** (1.0 / (2 * len(cores)))
+    for c in cores:
+        c.mul_(factor)
+
+
 def _core_params(module: nn.Module) -> int:
     return sum(c.numel() for c in module.cores)
 
@@ -198,140 +215,6 @@ def _finish(layer: _Layer) -> None:
     for p in list(new.cores) + list(new.gates):
         p.requires_grad_(trainable)
     new.train(old.training)
-
-
-# ----------------------------------------------------------------------- ties
-def _tie_groups(model: nn.Module, layers: List[_Layer]) -> List[Tuple[List[_Layer], List[str]]]:
-    """Groups of candidate layers whose weights are one Parameter, with the
-    names of any other (non-candidate) modules that also hold it."""
-    by_module = {id(l.module): l for l in layers}
-    owners: Dict[int, List[Tuple[str, nn.Module]]] = {}
-    for name, module in model.named_modules():
-        for pname, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((f"{name}.{pname}" if name else pname, module))
-    groups = []
-    seen = set()
-    for layer in layers:
-        key = id(layer.module.weight)
-        if key in seen:
-            continue
-        seen.add(key)
-        mods = owners.get(key, [])
-        if len({id(m) for _, m in mods}) < 2:
-            continue
-        members = [by_module[id(m)] for _, m in mods if id(m) in by_module]
-        others = [n for n, m in mods if id(m) not in by_module]
-        groups.append((members, others))
-    return groups
-
-
-def _tie_partners(members: List[_Layer], layer: _Layer) -> str:
-    return ", ".join(f"'{m.name}'" for m in members if m is not layer)
-
-
-def _resolve_ties(model, layers, tie: str) -> Tuple[List[Tuple[_Layer, List[_Layer]]], List[str]]:
-    """Applies the ``tie`` policy.  Returns (tied linear, its group) pairs that
-    must become TiedTTLinear / shared modules, and the ties that were broken."""
-    keep_plan: List[Tuple[_Layer, List[_Layer]]] = []
-    broken: List[str] = []
-    for members, others in _tie_groups(model, layers):
-        live = [m for m in members if m.reason is None]
-        if not live:
-            continue
-        names = [m.name for m in members] + others
-        if tie == "skip":
-            for m in live:
-                m.reason = f"weight tied to {_tie_partners(members, m) or others} (tie='skip')"
-            continue
-        if tie == "untie":
-            broken.append(" = ".join(names))
-            continue
-        # tie == "keep": the whole group converts together, or none of it does
-        blockers = [m for m in members if m.reason is not None]
-        why = None
-        if others:
-            why = f"weight also held by {', '.join(others)}"
-        elif blockers:
-            why = f"weight tied to '{blockers[0].name}', which stays dense ({blockers[0].reason})"
-        else:
-            embs = [m for m in members if m.kind == "embedding"]
-            lins = [m for m in members if m.kind == "linear"]
-            if len(embs) > 1 and len({_emb_config(e.module) for e in embs}) > 1:
-                why = "tied embeddings with different options cannot share one TTEmbedding"
-            elif not embs and len({id(l.module.bias) if l.module.bias is not None else None
-                                   for l in lins}) > 1:
-                why = "tied Linears with different biases cannot share one TTLinear"
-            elif embs and any(l.module.weight.dtype not in _FLOAT for l in lins):
-                why = "tied half-precision layers are not supported"
-        if why is not None:
-            for m in live:
-                m.reason = (f"{why}; the tie is kept by leaving it dense (tie='keep'; pass "
-                            "tie='untie' to convert the tied layers separately)")
-            continue
-        keep_plan.append((members[0], members))
-    return keep_plan, broken
-
-
-def _emb_config(m: nn.Embedding):
-    return (m.num_embeddings, m.embedding_dim, m.padding_idx)
-
-
-# --------------------------------------------------------------- HF fix-ups
-def _hf_after_convert(model: nn.Module, tied_changed: bool) -> None:
-    """transformers re-ties weights by parameter *names* (``tie_weights()``);
-    names that vanished (``...word_embeddings.weight`` is now TT cores) would
-    make it fail.  The tie now lives in the module structure (TiedTTLinear),
-    so the name-based mapping entries that no longer resolve are dropped and
-    ``config.tie_word_embeddings`` is turned off in a private copy of the
-    config (the caller's config object, often shared with other models, is
-    left alone); both are restored by :func:`to_dense`."""
-    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if isinstance(tied, dict):
-        gone = {k: v for k, v in tied.items() if k not in names or v not in names}
-        for k in gone:
-            del tied[k]
-        saved = getattr(model, "_comera_dropped_tied_keys", {})
-        saved.update(gone)
-        if saved:
-            model._comera_dropped_tied_keys = saved
-    if not tied_changed:
-        return
-    # HF models share one config object with the caller (and often with other models built
-    # from it): give this model's modules a private copy before changing it.
-    configs = {}
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if callable(getattr(m, "tie_weights", None)) and getattr(cfg, "tie_word_embeddings", False):
-            configs[id(cfg)] = cfg
-    changed = []
-    for old in configs.values():
-        new = copy.deepcopy(old)
-        new.tie_word_embeddings = False
-        for m in model.modules():
-            if getattr(m, "config", None) is old:
-                m.config = new
-        changed.append(new)
-    if changed:
-        model._comera_untied_configs = changed
-
-
-def _hf_after_to_dense(model: nn.Module) -> None:
-    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    saved = getattr(model, "_comera_dropped_tied_keys", None)
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if isinstance(saved, dict) and isinstance(tied, dict):
-        for k, v in list(saved.items()):
-            if k in names and v in names:
-                tied[k] = v
-                del saved[k]
-        if not saved:
-            del model._comera_dropped_tied_keys
-    for cfg in getattr(model, "_comera_untied_configs", []):
-        cfg.tie_word_embeddings = True
-    if hasattr(model, "_comera_untied_configs"):
-        del model._comera_untied_configs
 
 
 # -------------------------------------------------------------------- summary
@@ -382,9 +265,11 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
             qualified module names; a layer converts when it matches some
             ``include`` pattern (``None``: all) and no ``exclude`` pattern.
         embeddings: also convert nn.Embedding layers (to comera.TTEmbedding).
-        init: ``"random"`` (variance-matched TT init: the reconstructed weight
-            has the variance of the dense layer's default init) or ``"svd"``
-            (TT-SVD of the current dense weight, truncated to ``rank``).  Biases
+        init: ``"random"`` (random cores, scaled so the reconstructed weight
+            has the mean square of the dense weight it replaces: the default
+            init's variance for a freshly built layer, the model's own scale
+            otherwise) or ``"svd"`` (TT-SVD of the current dense weight,
+            truncated to ``rank``).  Biases
             are not compressed: the bias Parameter itself is kept in both modes.
         min_compression: keep a layer dense unless dense weight parameters /
             TT core parameters >= this.
@@ -457,26 +342,28 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
             l.new = None
 
     # 3. ties
-    keep_plan, broken = _resolve_ties(model, layers, tie)
+    keep_plan, broken = resolve_ties(model, layers, tie)
     for l in layers:
         if l.reason is not None:
             l.new = None
     for desc in broken:
         logger.warning("comera.convert: untying %s (tie='untie'): each gets its own TT weight", desc)
 
-    # 4. initial values, bias, flags
+    # 4. initial values, bias, flags (not for tied members that will share another's TT weight)
+    followers = {id(m) for _, members in keep_plan for m in members if m is not group_source(members)}
     for l in layers:
-        if l.new is None:
+        if l.new is None or id(l) in followers:
             continue
         if init == "svd":
             l.new = _load_svd(l, l.rank)
             l.tt_params = _core_params(l.new)
+        else:
+            _match_scale(l)
         _finish(l)
 
     # 5. tied groups share one TT module (an embedding's table feeds the tied Linears)
     for _, members in keep_plan:
-        embs = [m for m in members if m.kind == "embedding"]
-        source = embs[0] if embs else members[0]
+        source = group_source(members)
         for m in members:
             if m is source:
                 continue
@@ -503,7 +390,7 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
                 setattr(parent, attr, l.new)
 
     if any(l.reason is None for l in layers) and result is model:
-        _hf_after_convert(model, tied_changed=bool(keep_plan or broken))
+        hf_after_convert(model, tied_changed=bool(keep_plan or broken))
     after = sum(p.numel() for p in result.parameters())
     logger.info("%s", _summary(layers, init, before, after))
     return result
@@ -565,7 +452,7 @@ def to_dense(model: nn.Module) -> nn.Module:
                 setattr(parent, attr, densify(child))
                 changed = True
     if changed:
-        _hf_after_to_dense(model)
+        hf_after_to_dense(model)
     return model
 
 

@@ -5,8 +5,8 @@ prediction on Python source code from the standard library that ships with
 the interpreter.  Compared with a plain Trainer script, two lines are added
 (marked "comera"): convert the model, and pass RankAdaptiveCallback.
 
-    python examples/hf_trainer.py                  # ~400 steps on CPU
-    python examples/hf_trainer.py --steps 60       # a quick smoke run
+    python examples/hf_trainer.py                  # 200 steps, a few minutes on 2 cores
+    python examples/hf_trainer.py --steps 40       # a quick smoke run
 
 Stage 1 (the first half) discovers ranks under an L1 pull on the gates;
 stage 2 drives the live TT size to --target compression, then the ranks
@@ -61,9 +61,10 @@ def mask_tokens(batch, p=0.15):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--target", type=float, default=30.0, help="target compression of the TT layers")
     ap.add_argument("--out", default=None, help="output folder (default: a temporary one)")
     args = ap.parse_args()
@@ -83,7 +84,7 @@ def main():
     callback = RankAdaptiveCallback(gamma=2e-3, threshold=1e-3, stage1_steps=args.steps // 2,  # comera (2/2)
                                     stage2_steps=args.steps - args.steps // 2,
                                     target_compression=args.target)
-    trainer = Trainer(model=model, args=train_args, train_dataset=SourceBytes(128, 4096),
+    trainer = Trainer(model=model, args=train_args, train_dataset=SourceBytes(args.seq_len, 4096),
                       data_collator=mask_tokens, callbacks=[callback])
     trainer.train()
 
@@ -95,7 +96,7 @@ def main():
     comera.save(model, path)
     fresh = comera.convert(BertForMaskedLM(config), rank=args.rank)
     comera.load(fresh, path)                     # takes the pruned ranks from the file
-    ids = SourceBytes(128, 4)[0]["input_ids"][None]
+    ids = SourceBytes(args.seq_len, 4)[0]["input_ids"][None]
     model.eval()
     fresh.eval()
     same = torch.allclose(fresh(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)

@@ -90,6 +90,20 @@ def test_random_init_matches_the_dense_default_variance():
     assert 0.6 < ratio < 1.6, ratio
 
 
+def test_random_init_follows_the_models_own_init_scale():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(768, 768), nn.Embedding(3000, 64))
+    with torch.no_grad():                        # an HF-style init: N(0, 0.02^2)
+        net[0].weight.normal_(0, 0.02)
+        net[1].weight.normal_(0, 0.02)
+    dense_ms = [layer.weight.detach().pow(2).mean().item() for layer in net]
+    comera.convert(net, rank=16, init="random")
+    assert isinstance(net[0], comera.TTLinear) and isinstance(net[1], comera.TTEmbedding)
+    for layer, ms in zip(net, dense_ms):
+        assert ms == pytest.approx(0.02 ** 2, rel=0.05)
+        assert layer.weight.detach().pow(2).mean().item() == pytest.approx(ms, rel=1e-4)
+
+
 def test_include_exclude_globs_and_rank_mapping():
     class Block(nn.Module):
         def __init__(self):
@@ -288,6 +302,25 @@ def test_untie_converts_tied_layers_separately_with_a_warning(caplog):
     assert net[0] is not net[2]
     assert net[0].cores[0] is not net[2].cores[0]
     assert "untying" in caplog.text
+
+
+def test_weight_shared_with_another_kind_of_module_stays_dense(caplog):
+    class Scale(nn.Module):                  # uses the Linear's weight in its own way
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def forward(self, x):
+            return x * self.w.sum()
+
+    lin = nn.Linear(64, 64)
+    net = nn.Sequential(lin, Scale(lin.weight))
+    with caplog.at_level(logging.INFO, logger="comera"):
+        comera.convert(net, rank=4)
+    assert net[0] is lin and net[1].w is lin.weight
+    assert "weight also held by 1.w" in caplog.text
+    comera.convert(net, rank=4, tie="untie")
+    assert isinstance(net[0], comera.TTLinear)
 
 
 def test_skip_leaves_tied_layers_dense():

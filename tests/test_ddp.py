@@ -3,7 +3,6 @@
 Each worker checks its own assertions; a failure in a worker fails the test
 through torch.multiprocessing.spawn."""
 import copy
-import os
 
 import pytest
 import torch

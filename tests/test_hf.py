@@ -108,7 +108,7 @@ def test_callback_takes_an_existing_controller_and_checks_arguments():
 def test_example_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "hf_trainer.py"), "--steps", "12",
-         "--batch-size", "8", "--out", str(tmp_path)],
+         "--batch-size", "4", "--seq-len", "32", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reloaded model matches: True" in out.stdout
