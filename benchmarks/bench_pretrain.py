@@ -45,10 +45,11 @@ def entry(preset: str, metrics: dict) -> dict:
         "preset": preset, "steps": d["steps_done"], "command": metrics["command"],
         "command_wall_s": metrics["command_wall_s"], "environment": metrics["environment"],
         "dense": {k: d[k] for k in ("valid_loss", "valid_perplexity", "tokens_per_s", "peak_memory_bytes",
-                                    "wall_time_s", "parameters", "compression_whole")},
+                                    "peak_memory_growth_bytes", "wall_time_s", "parameters",
+                                    "compression_whole")},
         "comera": {k: c[k] for k in ("valid_loss", "valid_perplexity", "tokens_per_s", "peak_memory_bytes",
-                                     "wall_time_s", "parameters", "compression_whole",
-                                     "compression_converted", "final_ranks")},
+                                     "peak_memory_growth_bytes", "wall_time_s", "parameters",
+                                     "compression_whole", "compression_converted", "final_ranks")},
         "comparison": cmp_,
     }
     t = TARGETS.get(preset, {})
@@ -70,13 +71,15 @@ def markdown(entries: dict, device: str) -> str:
              "run (same data, seed and steps for both methods). Ratios are CoMERA over dense from the "
              "same run.", "",
              "| preset | steps | dense loss | CoMERA loss | loss diff | dense tok/s | CoMERA tok/s | speed-up "
-             "| whole-model compression | converted-layer compression | peak mem dense / CoMERA | targets |",
+             "| whole-model compression | converted-layer compression | peak RSS dense / CoMERA (above start) "
+             "| targets |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(entries):
         e = entries[key]
         d, c, cmp_ = e["dense"], e["comera"], e["comparison"]
         targets = "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in e["targets"].items()) or "-"
-        mem = (f"{d['peak_memory_bytes'] / 2**20:,.0f} / {c['peak_memory_bytes'] / 2**20:,.0f} MiB")
+        mem = (f"{d['peak_memory_bytes'] / 2**20:,.0f} / {c['peak_memory_bytes'] / 2**20:,.0f} MiB "
+               f"({d['peak_memory_growth_bytes'] / 2**20:,.0f} / {c['peak_memory_growth_bytes'] / 2**20:,.0f})")
         lines.append(
             f"| {e['preset']} | {e['steps']} | {d['valid_loss']:.4f} | {c['valid_loss']:.4f} | "
             f"{100 * cmp_['valid_loss_relative_difference']:+.2f}% | {d['tokens_per_s']:,.0f} | "

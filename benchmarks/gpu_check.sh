@@ -13,7 +13,8 @@
 #
 # PYTHON picks the interpreter (default python3, else python).  Without
 # pytest, it installs one from the wheels in $WHEELS (default .gpu-wheels)
-# if that folder exists (`pip download pytest -d .gpu-wheels` beforehand).
+# if that folder exists (`pip download pytest -d .gpu-wheels` beforehand; the
+# folder is git-ignored, so pass it to the device run as a carried path).
 # GPU_CHECK_DRY_RUN=1 checks this script's own logic on a machine without a
 # GPU: no build (the installed comera is used), tests collected and skipped,
 # benchmarks with --device cpu --tiny.

@@ -1,5 +1,7 @@
 """Run-time helpers for the training loop: a progress bar, peak memory, and
 a clean stop on Ctrl-C."""
+import ctypes
+import gc
 import os
 import signal
 import sys
@@ -75,6 +77,7 @@ class PeakMemory:
         self.kind = "cuda_max_memory_allocated" if device.type == "cuda" else "rss"
         self._sampled = 0
         self._hwm_ok = False
+        self.baseline = 0  # memory in use at reset(): what the phase did not allocate
 
     @staticmethod
     def _rss() -> int:
@@ -97,9 +100,12 @@ class PeakMemory:
         return None
 
     def reset(self) -> None:
+        release_memory()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = int(torch.cuda.memory_allocated(self.device))
             return
+        self.baseline = self._rss()
         try:
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
@@ -119,6 +125,19 @@ class PeakMemory:
             return max(self._vm_hwm() or 0, self._sampled)
         self.sample()
         return self._sampled
+
+
+def release_memory() -> None:
+    """Returns freed memory to the system: garbage, the CUDA cache, and the C
+    heap (glibc keeps freed blocks mapped, which would count in the next
+    phase's RSS)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class StopFlag:

@@ -8,6 +8,7 @@ from comera.pretrain.plots import write_plots
 # What every method's entry in metrics.json carries (tests check for them).
 METRIC_KEYS = ("parameters", "compression_whole", "compression_converted", "valid_loss",
                "valid_perplexity", "tokens_per_s", "peak_memory_bytes", "peak_memory_kind",
+               "peak_memory_growth_bytes",
                "wall_time_s", "train_time_s", "steps_done", "stopped")
 
 
@@ -24,6 +25,10 @@ def compare(results: Dict[str, dict]) -> dict:
         "valid_loss_relative_difference": (c["valid_loss"] - d["valid_loss"]) / d["valid_loss"],
         "peak_memory_ratio": (d["peak_memory_bytes"] / c["peak_memory_bytes"]
                               if c["peak_memory_bytes"] else None),
+        # What each method itself allocated (model, optimizer, activations),
+        # without the process's common baseline (libraries, data).
+        "peak_memory_growth_ratio": (d.get("peak_memory_growth_bytes", 0) / c["peak_memory_growth_bytes"]
+                                     if c.get("peak_memory_growth_bytes") else None),
         "same_steps": d["steps_done"] == c["steps_done"],
     }
 
@@ -48,6 +53,8 @@ def _table(results: Dict[str, dict]) -> List[str]:
         ("validation perplexity", lambda r: f"{r['valid_perplexity']:.2f}"),
         ("training tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
         ("peak memory", lambda r: f"{_mb(r['peak_memory_bytes'])} ({r['peak_memory_kind']})"),
+        ("peak memory above the start of the method",
+         lambda r: _mb(r.get("peak_memory_growth_bytes", 0))),
         ("wall time", lambda r: f"{r['wall_time_s']:.1f} s"),
         ("training time", lambda r: f"{r['train_time_s']:.1f} s"),
     ]
@@ -96,6 +103,8 @@ def write_report(run_dir: str, *, config: dict, corpus: dict, tokenizer: dict, d
                   f"- validation loss: {100 * cmp_['valid_loss_relative_difference']:+.2f}% relative to dense",
                   (f"- peak memory: dense / CoMERA = {cmp_['peak_memory_ratio']:.2f}"
                    if cmp_["peak_memory_ratio"] else "- peak memory: -"),
+                  (f"- memory the method itself needed (peak above its start): dense / CoMERA = "
+                   f"{cmp_['peak_memory_growth_ratio']:.2f}" if cmp_.get("peak_memory_growth_ratio") else ""),
                   "" if cmp_["same_steps"] else "- note: the two methods ran different numbers of steps", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]

@@ -109,7 +109,12 @@ def set_determinism(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def run_pretrain(args, log=print) -> dict:
+def _log(message: str) -> None:
+    # Flushed, so that a log file shows progress while the run goes on.
+    print(message, flush=True)
+
+
+def run_pretrain(args, log=_log) -> dict:
     """Runs the whole job described by the parsed ``args``; returns the
     metrics written to ``metrics.json``."""
     from comera.pretrain.report import write_report  # matplotlib is only needed here
@@ -137,6 +142,7 @@ def run_pretrain(args, log=print) -> dict:
         run_dir, corpus, vocab_size=p.vocab_size, max_train_tokens=p.max_train_tokens,
         max_valid_tokens=p.valid_blocks * p.seq_len * 2,
         tokenizer_max_bytes=None if max_mb is None else int(max_mb * 1e6), resume=args.resume, log=log)
+    del corpus  # the texts are tokenized; keep their memory out of the measurements
     data = MLMData(train_ids, valid_ids, seq_len=p.seq_len, batch_size=p.batch_size,
                    vocab_size=tok.get_vocab_size(), valid_blocks=p.valid_blocks, seed=config["seed"])
     log(f"data: {train_ids.numel():,} training tokens in {data.train.shape[0]:,} blocks of {p.seq_len}, "

@@ -1,7 +1,6 @@
 """The training loop of one method (dense or CoMERA): AdamW with warm-up
 and linear decay, gradient clipping, periodic evaluation and checkpoints,
 clean stops (Ctrl-C, a time budget) and exact resumption."""
-import gc
 import math
 import os
 import time
@@ -15,7 +14,7 @@ from torch import nn
 from comera.pretrain import checkpoint as ckpt
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
-from comera.pretrain.monitor import PeakMemory, Progress, StopFlag
+from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
 
 METHODS = ("dense", "comera")
 
@@ -128,6 +127,9 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     os.makedirs(mdir, exist_ok=True)
     path = os.path.join(mdir, "checkpoint.pt")
     vocab = data.vocab_size
+    memory = PeakMemory(device)
+    # Measured from before the model exists: it and its optimizer state count.
+    memory.reset()
     model = build_comera(p, vocab, seed) if method == "comera" else build_dense(p, vocab, seed)
     model.to(device).train()
     optimizer = make_optimizer(model, p)
@@ -135,7 +137,8 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     controller = make_controller(model, p) if method == "comera" else None
 
     step, history = 0, _new_history()
-    totals = {"train_time_s": 0.0, "wall_time_s": 0.0, "tokens": 0, "peak_memory_bytes": 0}
+    totals = {"train_time_s": 0.0, "wall_time_s": 0.0, "tokens": 0, "peak_memory_bytes": 0,
+              "peak_memory_growth_bytes": 0}
     if resume and os.path.exists(path):
         state = ckpt.load(path)
         ckpt.resize_tt_to(model, state["model"])
@@ -150,8 +153,6 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     else:
         torch.manual_seed(seed)
 
-    memory = PeakMemory(device)
-    memory.reset()
     t_start = time.perf_counter()
     wall_before = totals["wall_time_s"]
     bar = Progress(p.steps, every=p.log_every, enabled=progress, prefix=f"{method:>6} ")
@@ -163,7 +164,10 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
 
     def save_checkpoint():
         totals["wall_time_s"] = wall_before + time.perf_counter() - t_start
-        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], memory.peak())
+        peak = memory.peak()
+        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
+        totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
+                                                 peak - memory.baseline)
         ckpt.save(path, {
             "method": method, "step": step, "model": model.state_dict(),
             "tt_ranks": ckpt.tt_shapes(model), "optimizer": optimizer.state_dict(),
@@ -251,8 +255,9 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         "tokens_per_s": totals["tokens"] / max(totals["train_time_s"], 1e-9),
         "train_time_s": totals["train_time_s"], "wall_time_s": totals["wall_time_s"],
         "peak_memory_bytes": totals["peak_memory_bytes"], "peak_memory_kind": memory.kind,
+        "peak_memory_growth_bytes": totals["peak_memory_growth_bytes"],
         "final_ranks": ckpt.tt_live_ranks(model), "summary": summary, "history": history,
     }
     del model, optimizer, schedule, controller
-    gc.collect()
+    release_memory()
     return result

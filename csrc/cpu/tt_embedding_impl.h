@@ -91,6 +91,7 @@ typedef struct FN(emb_ctx) {
 static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, int backward) {
     int d = s->d;
     int64_t off = 0;
+    memset(c, 0, sizeof *c);
     c->s = s;
     c->state = ws ? ws + off : NULL;
     off += s->state_off[d - 1];

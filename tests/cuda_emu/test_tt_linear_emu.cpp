@@ -212,7 +212,8 @@ static void run_case(const Case &c, int64_t batch, bool has_bias, bool want_dx, 
     /* a gate gradient sums products over a whole core, with cancellation: in
      * 16-bit types its error relative to its largest entry is a few times
      * that of the other outputs */
-    double gtol = DT<T>::id == COMERA_DT_BF16 || DT<T>::id == COMERA_DT_F16 ? 3 * tol : tol;
+    const int id = DT<T>::id;
+    double gtol = id == COMERA_DT_BF16 || id == COMERA_DT_F16 ? 3 * tol : tol;
     for (int k = 0; k < D - 1; k++) {
         e = rel_err(dg[k], rdg[k]);
         check(e <= gtol, name + ": dgate " + std::to_string(k) + " error " + std::to_string(e));
