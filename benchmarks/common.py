@@ -45,31 +45,7 @@ def time_fn(fn, *, warmup=2, reps=7, min_seconds=0.0):
 
 
 def max_rss_bytes():
-    """Peak RSS of this process since start, or since reset_peak_rss()."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss():
-    """Resets the kernel's peak-RSS mark (VmHWM) to the current RSS, so that a
-    measured step is not hidden under the peak that importing torch left."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def peak_memory_subprocess(module, case: dict, timeout=300):
