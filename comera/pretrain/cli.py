@@ -89,7 +89,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dropout", type=_fraction)
     g.add_argument("--batch-size", type=_positive_int)
     g.add_argument("--steps", type=_positive_int)
-    g.add_argument("--lr", type=_positive_float)
+    g.add_argument("--lr", type=_positive_float, help="peak learning rate (dense)")
+    g.add_argument("--lr-comera", type=_positive_float,
+                   help="peak learning rate of the CoMERA method (default: the preset's, else --lr)")
     g.add_argument("--warmup", type=_fraction, help="fraction of the steps spent warming up")
     g.add_argument("--weight-decay", type=_nonneg_float)
     g.add_argument("--clip", type=_positive_float, help="gradient-norm clipping")

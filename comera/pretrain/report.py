@@ -79,7 +79,9 @@ def write_report(run_dir: str, *, config: dict, corpus: dict, tokenizer: dict, d
     lines = ["# comera pretrain report", "",
              f"Preset `{config['preset_name']}`: {p['layers']} encoders, hidden {p['hidden']}, "
              f"FFN {p['ffn']}, {p['heads']} heads, sequence {p['seq_len']}, batch {p['batch_size']}, "
-             f"{p['steps']} steps, lr {p['lr']}, seed {config['seed']}.", "",
+             f"{p['steps']} steps, peak lr {p['lr']}"
+             + (f" (CoMERA {p['lr_comera']})" if p.get("lr_comera") else "")
+             + f", seed {config['seed']}.", "",
              f"Corpus: `{corpus['root']}`: {corpus['train_files']} training files "
              f"({corpus['train_bytes'] / 1e6:.1f} MB), {corpus['valid_files']} validation files "
              f"({corpus['valid_bytes'] / 1e6:.1f} MB); skipped {sum(corpus['skipped'].values())}"
