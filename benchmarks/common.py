@@ -86,10 +86,91 @@ def machine_info():
     }
 
 
-def write_results(name, payload, table_md):
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, name + ".json"), "w") as f:
+def write_results(name, payload, table_md, out_dir=None):
+    out_dir = out_dir or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(payload, f, indent=2)
-    with open(os.path.join(RESULTS, name + ".md"), "w") as f:
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write(table_md)
     print(table_md)
+
+
+# --------------------------------------------------------------------------
+# Whole-process memory accounting (training steps) and bounded timing.
+
+def rss_bytes():
+    """The process's current resident set size."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes():
+    """The process's peak RSS since start or since the last reset_peak_rss()
+    (VmHWM; falls back to ru_maxrss where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return max_rss_bytes()
+
+
+def reset_peak_rss():
+    """Resets VmHWM to the current RSS (Linux >= 4.0), so that the peak of a
+    later phase is not hidden by an earlier one (model construction, say).
+    Returns False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def release_freed_memory():
+    """Returns freed heap memory to the OS (glibc malloc_trim), so that memory
+    freed after building a model does not count as resident afterwards."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+def time_bounded(fn, *, reps=5, budget_s=60.0, min_reps=0):
+    """Times fn() without letting a slow method eat the run: the first call is
+    the warm-up; then calls are repeated until `reps` are done or `budget_s`
+    seconds have passed, but at least `min_reps` of them (and at least one
+    unless the warm-up alone took longer than the budget).  Returns
+    {"median_s", "reps", "first_s"}; reps 0 means only the warm-up was
+    timed, and median_s is its time."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    times = []
+    if first <= budget_s or min_reps > 0:
+        start = time.perf_counter()
+        while len(times) < reps:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            if time.perf_counter() - start >= budget_s and len(times) >= min_reps:
+                break
+    return {"median_s": statistics.median(times) if times else first, "reps": len(times),
+            "first_s": first}
+
+
+def case_subprocess(module, case: dict, timeout=1800):
+    """Runs `python -m <module> --case JSON` in a fresh process (so each
+    method's memory is measured on its own) and returns the JSON object that
+    the case prints on its last line of output."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-m", module, "--case", json.dumps(case)],
+                         capture_output=True, text=True, timeout=timeout, env=env, cwd=here)
+    if out.returncode != 0:
+        raise RuntimeError(f"case {case} failed: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,0 +1,141 @@
+"""A plain PyTorch transformer encoder classifier, the model of the CoMERA
+paper's MNLI experiment: word + position (+ segment) embeddings, N pre-norm
+encoder layers (multi-head attention with separate q/k/v/o nn.Linear, then a
+GELU FFN), and a classifier head on the first token.
+
+Every linear inside the encoder is an nn.Linear and the word embedding is an
+nn.Embedding, so turning the model into a TT model is a module swap
+(`to_comera`); the classifier head stays dense.
+
+Example:
+    >>> import torch
+    >>> cfg = PRESETS["tiny"]
+    >>> model = EncoderClassifier(cfg)
+    >>> ids = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    >>> model(ids).shape
+    torch.Size([2, 2])
+"""
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    vocab: int
+    hidden: int
+    ffn: int
+    heads: int
+    layers: int
+    seq: int
+    classes: int
+    dropout: float = 0.0
+
+    def as_dict(self):
+        return asdict(self)
+
+
+PRESETS = {
+    # The paper's six-encoder transformer (MNLI: 3 classes).
+    "paper": EncoderConfig(vocab=30522, hidden=768, ffn=3072, heads=12, layers=6, seq=128, classes=3),
+    # The CPU preset of the accuracy experiment (bench_accuracy.py).
+    "small": EncoderConfig(vocab=8192, hidden=128, ffn=512, heads=4, layers=2, seq=96, classes=2,
+                           dropout=0.1),
+    # For smoke tests.
+    "tiny": EncoderConfig(vocab=512, hidden=32, ffn=64, heads=2, layers=2, seq=16, classes=2),
+}
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        h = cfg.hidden
+        self.heads = cfg.heads
+        self.norm1, self.norm2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.ffn1, self.ffn2 = nn.Linear(h, cfg.ffn), nn.Linear(cfg.ffn, h)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, key_padding=None):
+        B, L, H = x.shape
+        z = self.norm1(x)
+        split = lambda t: t.reshape(B, L, self.heads, H // self.heads).transpose(1, 2)
+        mask = None if key_padding is None else ~key_padding[:, None, None, :]
+        a = F.scaled_dot_product_attention(split(self.q(z)), split(self.k(z)), split(self.v(z)),
+                                           attn_mask=mask)
+        x = x + self.drop(self.o(a.transpose(1, 2).reshape(B, L, H)))
+        return x + self.drop(self.ffn2(F.gelu(self.ffn1(self.norm2(x)))))
+
+
+class EncoderClassifier(nn.Module):
+    """Embeddings, `cfg.layers` encoder layers, final LayerNorm and a linear
+    classifier on the first token.  `forward(ids, segments=None,
+    key_padding=None)`: key_padding is True where a position is padding."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.word = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.position = nn.Embedding(cfg.seq, cfg.hidden)
+        self.segment = nn.Embedding(2, cfg.hidden)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.classes)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids, segments=None, key_padding=None):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.word(ids) + self.position(pos)
+        if segments is not None:
+            x = x + self.segment(segments)
+        x = self.drop(x)
+        for layer in self.layers:
+            x = layer(x, key_padding)
+        return self.head(self.norm(x[:, 0]))
+
+
+def encoder_linear_names(model: EncoderClassifier):
+    """Qualified names of the encoder's linears (what comera converts)."""
+    return [f"layers.{i}.{n}" for i in range(len(model.layers))
+            for n in ("q", "k", "v", "o", "ffn1", "ffn2")]
+
+
+def _set(model, name, module):
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def to_comera(model: EncoderClassifier, rank: int, *, embedding: bool = True, init: str = "random"):
+    """Swaps every encoder nn.Linear (and the word embedding, when comera has
+    TTEmbedding and `embedding` is set) for its TT counterpart of `rank`, in
+    place; returns the model.  init "svd" starts from the dense weights
+    (TT-SVD), "random" from comera's variance-matched random init."""
+    for name in encoder_linear_names(model):
+        lin = model.get_submodule(name)
+        if init == "svd":
+            new = comera.TTLinear.from_dense(lin, rank=rank)
+        else:
+            new = comera.TTLinear(lin.in_features, lin.out_features, rank=rank)
+        _set(model, name, new)
+    if embedding and hasattr(comera, "TTEmbedding"):
+        emb = model.word
+        if init == "svd":
+            model.word = comera.TTEmbedding.from_dense(emb, rank=rank)
+        else:
+            model.word = comera.TTEmbedding(emb.num_embeddings, emb.embedding_dim, rank=rank)
+    return model
+
+
+def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0):
+    """The dense model (`method` "dense") or its comera version ("comera")."""
+    torch.manual_seed(seed)
+    model = EncoderClassifier(cfg)
+    if method == "comera":
+        to_comera(model, rank)
+    elif method != "dense":
+        raise ValueError(f"method must be 'dense' or 'comera', got {method!r}")
+    return model

@@ -1,0 +1,116 @@
+"""One training step of the encoder classifier (encoder.py) under three
+methods, timed and with its whole-process peak memory:
+
+    "dense AdamW"   the dense model, torch.optim.AdamW
+    "GaLore AdamW"  the dense model, galore-torch's GaLoreAdamW: every encoder
+                    linear's weight gets a rank-128 gradient projection
+                    (update_proj_gap 200, scale 0.25, the GaLore paper's
+                    recipe); the other parameters plain AdamW
+    "comera"        every encoder linear and the word embedding in TT format
+                    (rank 30), torch.optim.AdamW, plus comera's rank-adaptive
+                    gate penalty and proximal step when comera has RankAdaptive
+
+A step is: zero grads, forward, cross-entropy (+ penalty), backward,
+optimizer step.  Inputs are random token ids (the cost does not depend on
+them).  Memory is the peak RSS during the steps minus the RSS before the
+model was built: weights, gradients, optimizer state, activations and
+workspace (GaLore's SVDs included: its first step computes them).
+
+Example:
+    >>> res = run_case({"method": "comera", "preset": "tiny", "batch": 2, "rank": 4,
+    ...                 "reps": 1, "budget_s": 5})
+    >>> sorted(res)[:3]
+    ['batch', 'first_step_s', 'method']
+"""
+import torch
+import torch.nn.functional as F
+
+import comera
+from common import peak_rss_bytes, release_freed_memory, reset_peak_rss, rss_bytes, time_bounded
+from encoder import PRESETS, build_model, encoder_linear_names
+
+METHODS = ["dense AdamW", "GaLore AdamW", "comera"]
+GALORE = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+LR = 1e-4
+
+
+def make_optimizer(method, model):
+    if method == "GaLore AdamW":
+        from galore_torch import GaLoreAdamW  # benchmark-only dependency
+        low_rank = [model.get_submodule(n).weight for n in encoder_linear_names(model)]
+        ids = {id(p) for p in low_rank}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        return GaLoreAdamW([{"params": rest}, dict(params=low_rank, **GALORE)], lr=LR,
+                           no_deprecation_warning=True)
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def make_rank_adaptive(model):
+    """comera's stage-1 controller (gate L1 penalty + proximal step), or None
+    while comera has no RankAdaptive."""
+    if not hasattr(comera, "RankAdaptive"):
+        return None
+    return comera.RankAdaptive(model, gamma=1e-4, threshold=1e-3, stage1_steps=10 ** 6,
+                               stage2_steps=1)
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def optimizer_state_bytes(opt):
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+            elif hasattr(v, "ortho_matrix") and torch.is_tensor(v.ortho_matrix):  # GaLore projector
+                total += v.ortho_matrix.numel() * v.ortho_matrix.element_size()
+    return total
+
+
+def run_case(case):
+    """Builds the model and optimizer of case["method"] and times training
+    steps in this process; returns the measurements as a dict."""
+    cfg = PRESETS[case["preset"]]
+    batch, method = case["batch"], case["method"]
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    labels = torch.randint(0, cfg.classes, (batch,), generator=g)
+    if method == "GaLore AdamW":
+        import galore_torch  # noqa: F401  (imported before the baseline: code is not training memory)
+    release_freed_memory()
+    base = rss_bytes()
+    model = build_model(cfg, "comera" if method == "comera" else "dense", rank=case.get("rank", 30))
+    model.train()
+    opt = make_optimizer(method, model)
+    ra = make_rank_adaptive(model) if method == "comera" else None
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(ids), labels)
+        if ra is not None:
+            loss = loss + ra.penalty()
+        loss.backward()
+        opt.step()
+        if ra is not None:
+            ra.step(opt)
+
+    # Construction transients (the dense model a conversion starts from) are
+    # not part of training: return them to the OS and restart the peak.
+    release_freed_memory()
+    peak_reset = reset_peak_rss()
+    timing = time_bounded(step, reps=case.get("reps", 3), budget_s=case.get("budget_s", 60.0),
+                          min_reps=1)
+    peak = peak_rss_bytes() - base
+    params = list(model.parameters())
+    return {
+        "method": method, "preset": case["preset"], "batch": batch, "seq": cfg.seq,
+        "step_s": timing["median_s"], "first_step_s": timing["first_s"], "reps": timing["reps"],
+        "peak_bytes": peak, "peak_reset_ok": peak_reset,
+        "param_count": sum(p.numel() for p in params), "param_bytes": tensor_bytes(params),
+        "optimizer_state_bytes": optimizer_state_bytes(opt),
+        "rank_adaptive": ra is not None,
+    }
