@@ -452,7 +452,8 @@ def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_ru
 
 
 # ----------------------------------------------------------- docstrings
-@pytest.mark.parametrize("module", ["corpus", "data", "model", "tokenizer", "monitor"])
+@pytest.mark.parametrize("module", ["corpus", "data", "model", "tokenizer", "monitor", "plots", "train",
+                                    "checkpoint", "report", "run", "cli"])
 def test_docstring_examples_run(module):
     import importlib
     mod = importlib.import_module(f"comera.pretrain.{module}")

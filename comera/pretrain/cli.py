@@ -46,6 +46,15 @@ def _nonneg_float(text: str) -> float:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Adds the ``comera pretrain`` flags to ``ap``.
+
+    Example:
+        >>> ap = argparse.ArgumentParser()
+        >>> add_arguments(ap)
+        >>> a = ap.parse_args(["--method", "dense", "--rank", "8"])
+        >>> a.method, a.rank, a.lr, a.preset
+        ('dense', 8, None, 'tiny')
+    """
     g = ap.add_argument_group("run")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model size and training budget (default: tiny, a few minutes on 2 CPU cores)")

@@ -15,7 +15,12 @@ def _figure(width=7.0, height=4.0):
 
 
 def short_name(name: str) -> str:
-    """``roberta.encoder.layer.3.attention.self.query`` -> ``L3.attn.query``."""
+    """A layer name short enough for a plot label.
+
+    Example:
+        >>> short_name("roberta.encoder.layer.3.attention.self.query")
+        'L3.attn.query'
+    """
     for a, b in (("roberta.encoder.layer.", "L"), ("roberta.embeddings.", "emb."),
                  ("attention.self.", "attn."), ("attention.output.", "attn.out."),
                  ("intermediate.dense", "ffn.in"), ("output.dense", "ffn.out")):

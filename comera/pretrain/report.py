@@ -13,7 +13,15 @@ METRIC_KEYS = ("parameters", "compression_whole", "compression_converted", "vali
 
 
 def compare(results: Dict[str, dict]) -> dict:
-    """CoMERA against dense, when both ran."""
+    """CoMERA against dense, when both ran.
+
+    Example:
+        >>> r = {"valid_loss": 2.0, "tokens_per_s": 100.0, "peak_memory_bytes": 4, "steps_done": 5}
+        >>> c = dict(r, valid_loss=2.1, tokens_per_s=150.0, compression_whole=4.5)
+        >>> out = compare({"dense": r, "comera": c})
+        >>> out["speedup_tokens_per_s"], round(out["valid_loss_relative_difference"], 3)
+        (1.5, 0.05)
+    """
     if "dense" not in results or "comera" not in results:
         return {}
     d, c = results["dense"], results["comera"]

@@ -66,7 +66,18 @@ def make_optimizer(model: nn.Module, p: Preset, lr: Optional[float] = None) -> t
 
 
 def make_schedule(optimizer, p: Preset):
-    """Linear warm-up over ``warmup * steps`` steps, then linear decay to 0."""
+    """Linear warm-up over ``warmup * steps`` steps, then linear decay to 0.
+
+    Example:
+        >>> from comera.pretrain.model import preset
+        >>> p = preset("tiny"); p.steps, p.warmup, p.lr = 5, 0.4, 1.0
+        >>> opt = make_optimizer(nn.Linear(2, 2), p)
+        >>> sched, lrs = make_schedule(opt, p), []
+        >>> for _ in range(5):
+        ...     lrs.append(round(sched.get_last_lr()[0], 3)); opt.step(); sched.step()
+        >>> lrs
+        [0.5, 1.0, 1.0, 0.667, 0.333]
+    """
     warm = max(1, round(p.warmup * p.steps))
 
     def factor(step: int) -> float:
