@@ -362,7 +362,7 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(code_dir, tmp_path):
 # Small ranks and a compression target the tiny model reaches within the run,
 # with pruning every 2 steps: stage 1 is steps 1-3, stage 2 steps 4-9.
 COMERA = ["--rank", "4", "--vocab-rank", "8", "--prune-every", "2", "--target-compression", "20",
-          "--stage1", "0.25", "--stage2", "0.5"]
+          "--stage1", "0.25", "--stage2", "0.5", "--lr", "0.001", "--lr-comera", "0.002"]
 
 
 BOTH_RUN = ["--steps", "12", *TINY, *COMERA]
@@ -396,6 +396,7 @@ def test_end_to_end_both_methods(both_run):
     m = _check_complete_report(out, ["dense", "comera"])
     d, c = m["methods"]["dense"], m["methods"]["comera"]
     assert d["steps_done"] == c["steps_done"] == 12
+    assert max(d["history"]["lr"]) == pytest.approx(1e-3) and max(c["history"]["lr"]) == pytest.approx(2e-3)
     assert "ranks_comera" in m["plots"] and "comera layers" in open(os.path.join(out, "report.md")).read()
     # The comera model is the dense model with its linear layers and word embedding in TT form.
     assert c["parameters"]["dense_equivalent"] == d["parameters"]["total"]
@@ -451,7 +452,8 @@ def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_ru
 
 
 # ----------------------------------------------------------- docstrings
-@pytest.mark.parametrize("module", ["corpus", "data", "model", "tokenizer", "monitor"])
+@pytest.mark.parametrize("module", ["corpus", "data", "model", "tokenizer", "monitor", "plots", "train",
+                                    "checkpoint", "report", "run", "cli"])
 def test_docstring_examples_run(module):
     import importlib
     mod = importlib.import_module(f"comera.pretrain.{module}")

@@ -27,7 +27,13 @@ def load(path: str) -> dict:
 
 
 def tt_shapes(model: nn.Module) -> Dict[str, list]:
-    """Stored ranks of every TT layer: ``{name: [r_1, ..., r_{D-1}]}``."""
+    """Stored ranks of every TT layer: ``{name: [r_1, ..., r_{D-1}]}``.
+
+    Example:
+        >>> import comera
+        >>> tt_shapes(nn.Sequential(nn.Linear(4, 4), comera.TTLinear(64, 64, rank=4)))
+        {'1': [4, 4, 4, 4, 4]}
+    """
     return {name: [int(g.numel()) for g in layer.gates] for name, layer in tt_layers(model)}
 
 

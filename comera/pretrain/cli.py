@@ -46,6 +46,15 @@ def _nonneg_float(text: str) -> float:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Adds the ``comera pretrain`` flags to ``ap``.
+
+    Example:
+        >>> ap = argparse.ArgumentParser()
+        >>> add_arguments(ap)
+        >>> a = ap.parse_args(["--method", "dense", "--rank", "8"])
+        >>> a.method, a.rank, a.lr, a.preset
+        ('dense', 8, None, 'tiny')
+    """
     g = ap.add_argument_group("run")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="model size and training budget (default: tiny, a few minutes on 2 CPU cores)")
@@ -89,7 +98,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--dropout", type=_fraction)
     g.add_argument("--batch-size", type=_positive_int)
     g.add_argument("--steps", type=_positive_int)
-    g.add_argument("--lr", type=_positive_float)
+    g.add_argument("--lr", type=_positive_float, help="peak learning rate (dense)")
+    g.add_argument("--lr-comera", type=_positive_float,
+                   help="peak learning rate of the CoMERA method (default: the preset's, else --lr)")
     g.add_argument("--warmup", type=_fraction, help="fraction of the steps spent warming up")
     g.add_argument("--weight-decay", type=_nonneg_float)
     g.add_argument("--clip", type=_positive_float, help="gradient-norm clipping")

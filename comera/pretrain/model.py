@@ -25,6 +25,7 @@ class Preset:
     batch_size: int = 32
     steps: int = 1000
     lr: float = 5e-4
+    lr_comera: Optional[float] = None  # the CoMERA method's peak lr (None: lr)
     warmup: float = 0.06          # fraction of the steps spent warming up
     weight_decay: float = 0.01
     clip: float = 1.0

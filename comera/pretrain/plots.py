@@ -15,7 +15,12 @@ def _figure(width=7.0, height=4.0):
 
 
 def short_name(name: str) -> str:
-    """``roberta.encoder.layer.3.attention.self.query`` -> ``L3.attn.query``."""
+    """A layer name short enough for a plot label.
+
+    Example:
+        >>> short_name("roberta.encoder.layer.3.attention.self.query")
+        'L3.attn.query'
+    """
     for a, b in (("roberta.encoder.layer.", "L"), ("roberta.embeddings.", "emb."),
                  ("attention.self.", "attn."), ("attention.output.", "attn.out."),
                  ("intermediate.dense", "ffn.in"), ("output.dense", "ffn.out")):
@@ -116,8 +121,16 @@ def plot_rank_heatmap(result: dict, path: str) -> Optional[str]:
     grid = np.array(rows, dtype=float)
     fig = _figure(8.0, max(3.0, min(0.06 * len(rows) + 1.5, 24.0)))
     ax = fig.add_subplot()
-    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0.0, vmax=1.0,
-                   extent=(steps[0], steps[-1] if len(steps) > 1 else steps[0] + 1, len(rows), 0))
+    # Cell edges halfway between logged steps, so each column sits on its step.
+    xs = [float(x) for x in steps]
+    if len(xs) == 1:
+        edges = [xs[0] - 0.5, xs[0] + 0.5]
+    else:
+        mids = [(a + b) / 2 for a, b in zip(xs, xs[1:])]
+        edges = [2 * xs[0] - mids[0]] + mids + [2 * xs[-1] - mids[-1]]
+    im = ax.pcolormesh(edges, range(len(rows) + 1), grid, cmap="viridis", vmin=0.0, vmax=1.0,
+                       shading="flat")
+    ax.invert_yaxis()
     for b in bounds[:-1]:
         ax.axhline(b, color="white", lw=0.4)
     ax.set_yticks([t + 0.5 for t in ticks])

@@ -13,7 +13,15 @@ METRIC_KEYS = ("parameters", "compression_whole", "compression_converted", "vali
 
 
 def compare(results: Dict[str, dict]) -> dict:
-    """CoMERA against dense, when both ran."""
+    """CoMERA against dense, when both ran.
+
+    Example:
+        >>> r = {"valid_loss": 2.0, "tokens_per_s": 100.0, "peak_memory_bytes": 4, "steps_done": 5}
+        >>> c = dict(r, valid_loss=2.1, tokens_per_s=150.0, compression_whole=4.5)
+        >>> out = compare({"dense": r, "comera": c})
+        >>> out["speedup_tokens_per_s"], round(out["valid_loss_relative_difference"], 3)
+        (1.5, 0.05)
+    """
     if "dense" not in results or "comera" not in results:
         return {}
     d, c = results["dense"], results["comera"]
@@ -79,7 +87,9 @@ def write_report(run_dir: str, *, config: dict, corpus: dict, tokenizer: dict, d
     lines = ["# comera pretrain report", "",
              f"Preset `{config['preset_name']}`: {p['layers']} encoders, hidden {p['hidden']}, "
              f"FFN {p['ffn']}, {p['heads']} heads, sequence {p['seq_len']}, batch {p['batch_size']}, "
-             f"{p['steps']} steps, lr {p['lr']}, seed {config['seed']}.", "",
+             f"{p['steps']} steps, peak lr {p['lr']}"
+             + (f" (CoMERA {p['lr_comera']})" if p.get("lr_comera") else "")
+             + f", seed {config['seed']}.", "",
              f"Corpus: `{corpus['root']}`: {corpus['train_files']} training files "
              f"({corpus['train_bytes'] / 1e6:.1f} MB), {corpus['valid_files']} validation files "
              f"({corpus['valid_bytes'] / 1e6:.1f} MB); skipped {sum(corpus['skipped'].values())}"

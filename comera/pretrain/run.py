@@ -21,7 +21,15 @@ RUN_KEYS = ("preset_name", "preset", "seed", "corpus", "max_files", "valid_fract
 
 
 def resolve_config(args) -> dict:
-    """The run's settings: the preset with every flag that was given on top."""
+    """The run's settings: the preset with every flag that was given on top.
+
+    Example:
+        >>> from comera.__main__ import build_parser
+        >>> args = build_parser().parse_args(["pretrain", "--preset", "paper", "--steps", "40"])
+        >>> cfg = resolve_config(args)
+        >>> cfg["preset"]["steps"], cfg["preset"]["hidden"], cfg["corpus"]
+        (40, 768, None)
+    """
     p = preset(args.preset)
     for name in preset_fields():
         value = getattr(args, name, None)

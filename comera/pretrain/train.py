@@ -43,9 +43,15 @@ def evaluate(model: nn.Module, data: MLMData, device: torch.device, batch_size: 
     return total / max(1, count)
 
 
-def make_optimizer(model: nn.Module, p: Preset) -> torch.optim.Optimizer:
-    """AdamW; biases, LayerNorm weights and TT gates are not decayed (the
-    gates have their own L1 penalty)."""
+def method_lr(method: str, p: Preset) -> float:
+    """The peak learning rate of a method: TT layers train best with a larger
+    one than dense layers (``--lr-comera``)."""
+    return p.lr_comera if method == "comera" and p.lr_comera is not None else p.lr
+
+
+def make_optimizer(model: nn.Module, p: Preset, lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """AdamW with peak ``lr`` (default ``p.lr``); biases, LayerNorm weights
+    and TT gates are not decayed (the gates have their own L1 penalty)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -56,11 +62,22 @@ def make_optimizer(model: nn.Module, p: Preset) -> torch.optim.Optimizer:
             decay.append(param)
     return torch.optim.AdamW([{"params": decay, "weight_decay": p.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=p.lr, betas=(0.9, 0.98), eps=1e-6)
+                             lr=p.lr if lr is None else lr, betas=(0.9, 0.98), eps=1e-6)
 
 
 def make_schedule(optimizer, p: Preset):
-    """Linear warm-up over ``warmup * steps`` steps, then linear decay to 0."""
+    """Linear warm-up over ``warmup * steps`` steps, then linear decay to 0.
+
+    Example:
+        >>> from comera.pretrain.model import preset
+        >>> p = preset("tiny"); p.steps, p.warmup, p.lr = 5, 0.4, 1.0
+        >>> opt = make_optimizer(nn.Linear(2, 2), p)
+        >>> sched, lrs = make_schedule(opt, p), []
+        >>> for _ in range(5):
+        ...     lrs.append(round(sched.get_last_lr()[0], 3)); opt.step(); sched.step()
+        >>> lrs
+        [0.5, 1.0, 1.0, 0.667, 0.333]
+    """
     warm = max(1, round(p.warmup * p.steps))
 
     def factor(step: int) -> float:
@@ -132,7 +149,7 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     memory.reset()
     model = build_comera(p, vocab, seed) if method == "comera" else build_dense(p, vocab, seed)
     model.to(device).train()
-    optimizer = make_optimizer(model, p)
+    optimizer = make_optimizer(model, p, method_lr(method, p))
     schedule = make_schedule(optimizer, p)
     controller = make_controller(model, p) if method == "comera" else None
 
