@@ -130,12 +130,14 @@ def to_comera(model: EncoderClassifier, rank: int, *, embedding: bool = True, in
     return model
 
 
-def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0):
-    """The dense model (`method` "dense") or its comera version ("comera")."""
+def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0,
+                embedding: bool = True):
+    """The dense model (`method` "dense") or its comera version ("comera"; the
+    word embedding too when `embedding`)."""
     torch.manual_seed(seed)
     model = EncoderClassifier(cfg)
     if method == "comera":
-        to_comera(model, rank)
+        to_comera(model, rank, embedding=embedding)
     elif method != "dense":
         raise ValueError(f"method must be 'dense' or 'comera', got {method!r}")
     return model
