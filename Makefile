@@ -8,7 +8,7 @@ PIP := $(VPY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.comera-installed
 
-.PHONY: all demo test test-python test-c test-sanitize check-cuda bench clean
+.PHONY: all demo demo-mlp test test-python test-c test-sanitize check-cuda test-cuda-emu venv-cuda bench clean
 
 all: test
 
@@ -23,7 +23,12 @@ $(STAMP): $(VPY) setup.py pyproject.toml $(wildcard csrc/*/*.c csrc/*/*.h csrc/*
 
 install: $(STAMP)
 
+# The main job: tiny CodeBERT-style pre-training on the standard library,
+# dense against CoMERA, report under runs/ (a few minutes on 2 cores).
 demo: $(STAMP)
+	$(VPY) -m comera pretrain
+
+demo-mlp: $(STAMP)
 	$(VPY) examples/demo_mlp.py
 
 test: test-c test-sanitize test-python
@@ -40,5 +45,20 @@ test-sanitize:
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_linear.py
 
+# CUDA without a GPU: nvcc compile of every kernel (-Werror), then the whole
+# extension against a CUDA build of torch where .venv-cuda has one
+check-cuda:
+	tools/check_cuda.sh
+
+# the CUDA kernels compiled for the host and checked against the C kernels
+test-cuda-emu:
+	$(MAKE) -C tests/cuda_emu test
+
+# a second environment with the CUDA build of torch (about 5.5 GB)
+venv-cuda:
+	$(PY) -m venv .venv-cuda
+	.venv-cuda/bin/pip install -q torch==2.14.1
+	.venv-cuda/bin/pip install -q pytest hypothesis numpy setuptools wheel
+
 clean:
-	rm -rf build *.egg-info comera/_C*.so tests/c/build
+	rm -rf build *.egg-info comera/_C*.so tests/c/build tests/cuda_emu/build

@@ -23,6 +23,34 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 C_FLAGS = ["-std=c11", "-O3", "-fopenmp", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"]
 
 
+def _default_cuda_home():
+    """Sets CUDA_HOME when torch would guess it wrong: torch takes the folder
+    above `which nvcc`, which for a wrapper script such as /usr/local/bin/nvcc
+    has no CUDA headers."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc and os.path.exists(os.path.join(os.path.dirname(nvcc), "..", "include",
+                                            "cuda_runtime_api.h")):
+        return
+    for home in ("/usr/local/cuda",):
+        if os.path.exists(os.path.join(home, "bin", "nvcc")):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+def _cxx_standard():
+    """C++20 where torch's headers demand it (torch >= 2.14), else C++17."""
+    from torch.utils import cpp_extension
+
+    for inc in cpp_extension.include_paths():
+        aten = os.path.join(inc, "ATen", "ATen.h")
+        if os.path.exists(aten):
+            with open(aten) as f:
+                return "-std=c++20" if "202002L" in f.read(4096) else "-std=c++17"
+    return "-std=c++17"
+
+
 def _cuda_choice():
     import torch
     from torch.utils import cpp_extension
@@ -52,6 +80,58 @@ def _cuda_choice():
     return True, "on (auto)"
 
 
+def _site_dirs():
+    import site
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    return [d for d in dirs + sys.path if d and os.path.isdir(d)]
+
+
+def _cublas_build_args(build_dir):
+    """Include folder, libraries and link arguments for cuBLAS.
+
+    The CUDA toolkit may lack cuBLAS while torch's pip wheels carry it
+    (nvidia/cu13 or nvidia/cublas in site-packages, headers and a versioned
+    libcublas.so.N with no unversioned link): then the headers that the
+    toolkit lacks are copied into the build folder (so none shadows one of
+    the toolkit's) and the library is linked by its full path."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME or "/usr/local/cuda"
+    found_inc = os.path.exists(os.path.join(home, "include", "cublas_v2.h"))
+    args = {"include_dirs": [], "libraries": [], "library_dirs": [], "extra_link_args": []}
+    wheel_dirs = [os.path.join(d, "nvidia", sub) for d in _site_dirs() for sub in ("cu13", "cublas")]
+    if not found_inc:
+        # torch's CUDA headers also want cusparse.h, cusolver*.h, ...: copy
+        # every header of the wheel that the toolkit lacks, and only those
+        for w in wheel_dirs:
+            src = os.path.join(w, "include")
+            if not os.path.exists(os.path.join(src, "cublas_v2.h")):
+                continue
+            inc = os.path.join(build_dir, "cuda-extra-include")
+            for dirpath, _, files in os.walk(src):
+                rel = os.path.relpath(dirpath, src)
+                for name in files:
+                    if not os.path.exists(os.path.join(home, "include", rel, name)):
+                        os.makedirs(os.path.join(inc, rel), exist_ok=True)
+                        shutil.copy(os.path.join(dirpath, name), os.path.join(inc, rel, name))
+            args["include_dirs"].append(inc)
+            break
+        else:
+            print("comera: warning: cublas_v2.h not found in the CUDA toolkit or site-packages")
+    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+        if os.path.exists(os.path.join(home, sub, "libcublas.so")):
+            args["libraries"].append("cublas")
+            args["library_dirs"].append(os.path.join(home, sub))
+            return args
+    for w in wheel_dirs:
+        libs = sorted(glob.glob(os.path.join(w, "lib", "libcublas.so*")))
+        if libs:
+            args["extra_link_args"] += [libs[0], "-Wl,-rpath," + os.path.dirname(libs[0])]
+            return args
+    args["libraries"].append("cublas")  # let the linker say what is missing
+    return args
+
+
 def _build_c_library(build_temp):
     """Compiles csrc/cpu/*.c with the C compiler into libcomera_cpu.a."""
     cc = os.environ.get("CC", "cc")
@@ -72,6 +152,7 @@ def _build_c_library(build_temp):
 
 
 def main():
+    _default_cuda_home()  # before torch.utils.cpp_extension reads CUDA_HOME
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     with_cuda, why = _cuda_choice()
@@ -88,26 +169,31 @@ def main():
             super().build_extensions()
 
     sources = sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17", "-Wall"]
+    cxx_flags = ["-O3", _cxx_standard(), "-Wall"]
     define_macros = []
     ext_cls = CppExtension
     kwargs = {}
+    extra_include, extra_link = [], []
     if with_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "torch", "cuda", "*.cpp")))
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         define_macros.append(("COMERA_WITH_CUDA", "1"))
         ext_cls = CUDAExtension
-        kwargs["libraries"] = ["cublas"]
+        cublas = _cublas_build_args(os.path.join(ROOT, "build"))
+        kwargs["libraries"] = cublas["libraries"]
+        kwargs["library_dirs"] = cublas["library_dirs"]
+        extra_include = cublas["include_dirs"]
+        extra_link = cublas["extra_link_args"]
         extra = {"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]}
     else:
         extra = {"cxx": cxx_flags}
     ext = ext_cls(
         "comera._C",
         sources,
-        include_dirs=[os.path.join(ROOT, "csrc", "include")],
+        include_dirs=[os.path.join(ROOT, "csrc", "include")] + extra_include,
         define_macros=define_macros,
         extra_compile_args=extra,
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp"] + extra_link,
         **kwargs,
     )
     setup(ext_modules=[ext], cmdclass={"build_ext": BuildWithC})

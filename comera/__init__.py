@@ -16,7 +16,10 @@ from comera.linear import TTLinear
 from comera.prune import prune
 from comera.rank_adaptive import RankAdaptive
 from comera.summary import compression, summary
+from comera.convert import convert, to_dense
+from comera.io import load, save
 
 __version__ = "0.1.0"
 __all__ = ["TTLinear", "TTEmbedding", "RankAdaptive", "prune", "summary", "compression",
            "load_state_dict", "ops"]
+__all__ += ["convert", "to_dense", "save", "load"]

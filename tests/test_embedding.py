@@ -16,6 +16,7 @@ CASES = [
     (23, 10, ([2, 3, 4], [2, 3, 2]), [2, 5]),         # padded rows and dims
     (16, 8, ([2, 2, 2, 2], [2, 2, 1, 2]), 100),       # d = 4, ranks at the TT bound
     (7, 5, ([7, 1], [5, 1]), 1),                      # rank 1, trivial modes
+    (24, 32, ([3, 2, 4], [4, 2, 4]), 8),              # narrow last dim mode: transposed last level
 ]
 IDS = [f"{c[0]}x{c[1]}-d{len(c[2][0])}" for c in CASES]
 REUSES = ["none", "dedup", "prefix", "auto"]
@@ -232,8 +233,15 @@ def test_gradcheck_float64(mode):
         return comera.ops.tt_embedding(idx, cores, gates, 20, 9, offsets=offsets,
                                        per_sample_weights=psw, mode=mode, padding_idx=0)
 
+    def raw(*ps):  # the operator itself, through its registered autograd
+        cores, gates, rest = ps[:d], ps[d:2 * d - 1], ps[2 * d - 1:]
+        offs = torch.cat([offsets, torch.tensor([6])]) if mode else None
+        return torch.ops.comera.tt_embedding(idx, offs, rest[0] if rest else None, list(cores),
+                                             list(gates), 20, 9, 0, 1 if mode else 0, 0)
+
     extra = [torch.randn(6, dtype=torch.float64, requires_grad=True)] if mode else []
     assert torch.autograd.gradcheck(f, (*params, *extra))
+    assert torch.autograd.gradcheck(raw, (*params, *extra))
 
 
 def test_opcheck():

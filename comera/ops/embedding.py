@@ -46,19 +46,52 @@ def _psw_grad(indices, offsets, cores, gates, grad, args):
     return (rows * grad[bag]).sum(-1)
 
 
-def _backward(ctx, grad):
+def _grads(ctx, grad, psw_needs_grad):
+    """Core, gate and per-sample-weight gradients from the saved tensors."""
     indices, offsets, psw, *rest = ctx.saved_tensors
     cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
     grad = grad.contiguous()
     gcores, ggates = torch.ops.comera.tt_embedding_backward(
         grad, indices, offsets, psw, cores, gates, *ctx.args)
-    gpsw = None
-    if ctx.needs_input_grad[2]:
-        gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args)
-    return (None, None, gpsw, list(gcores), list(ggates), None, None, None, None, None)
+    gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) if psw_needs_grad else None
+    return list(gcores), list(ggates), gpsw
+
+
+def _backward(ctx, grad):
+    gcores, ggates, gpsw = _grads(ctx, grad, ctx.needs_input_grad[2])
+    return (None, None, gpsw, gcores, ggates, None, None, None, None, None)
 
 
 torch.library.register_autograd("comera::tt_embedding", _backward, setup_context=_setup_context)
+
+
+class _Lookup(torch.autograd.Function):
+    """The same forward and backward ops as the registered autograd above,
+    for the module's calls: the generic wrapper of register_autograd walks
+    the core and gate lists with pytree on every call, which costs more than
+    a small lookup itself.  Cores and gates come in as separate arguments."""
+
+    @staticmethod
+    def forward(ctx, indices, offsets, psw, args, num_cores, *params):
+        cores, gates = list(params[:num_cores]), list(params[num_cores:])
+        ctx.save_for_backward(indices, offsets, psw, *params)
+        ctx.num_cores = num_cores
+        ctx.args = args
+        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gcores, ggates, gpsw = _grads(ctx, grad, ctx.needs_input_grad[2])
+        return (None, None, gpsw, None, None, *gcores, *ggates)
+
+
+def _lookup(indices, offsets, psw, cores, gates, *args):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*cores, *gates)):
+        return _Lookup.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
+    if psw is not None and psw.requires_grad and torch.is_grad_enabled():
+        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
+    with torch.no_grad():
+        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
 
 
 def _check_indices(name: str, t) -> torch.Tensor:
@@ -106,8 +139,8 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
         if offsets is not None or per_sample_weights is not None:
             raise ValueError("offsets and per_sample_weights are only valid in bag modes "
                              "(mode='sum' or 'mean')")
-        out = torch.ops.comera.tt_embedding(input.reshape(-1), None, None, cores, gates,
-                                            num_embeddings, embedding_dim, pad, 0, REUSE[reuse])
+        out = _lookup(input.reshape(-1), None, None, cores, gates, num_embeddings,
+                      embedding_dim, pad, 0, REUSE[reuse])
         return out.reshape(*input.shape, embedding_dim)
     if input.dim() == 2:
         if offsets is not None:
@@ -142,9 +175,8 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
             raise ValueError(f"per_sample_weights must have the shape of input "
                              f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
         per_sample_weights = per_sample_weights.to(cores[0].dtype)
-    return torch.ops.comera.tt_embedding(input, offsets, per_sample_weights, cores, gates,
-                                         num_embeddings, embedding_dim, pad, MODES[mode],
-                                         REUSE[reuse])
+    return _lookup(input, offsets, per_sample_weights, cores, gates, num_embeddings,
+                   embedding_dim, pad, MODES[mode], REUSE[reuse])
 
 
 def tt_embedding_plan(input: torch.Tensor, row_shape: Sequence[int], dim_shape: Sequence[int],

@@ -47,6 +47,24 @@ def _backward(ctx, grad_y, grad_t):
 
 torch.library.register_autograd("comera::tt_linear", _backward, setup_context=_setup_context)
 
+# Autocast (AMP): the TT contractions always accumulate in float32.  On CPU,
+# called directly under autocast, the op casts its floating inputs to float32
+# (never float64 ones) and returns float32, like autocast's "fp32 ops"; the
+# wrapper below then returns autocast's dtype, like F.linear (see
+# _autocast_dtype).  On CUDA the wrapper runs the kernels in the autocast dtype
+# (their accumulators are float32), which is where the GPU speed comes from.
+torch.library.register_autocast("comera::tt_linear", "cpu", torch.float32)
+
+
+def _autocast_dtype(x: torch.Tensor, compute: torch.dtype) -> Optional[torch.dtype]:
+    """The output dtype autocast wants for a linear op on ``x`` (None when
+    autocast is off for x's device, or the layer computes in float64, which
+    autocast leaves alone)."""
+    dev = x.device.type
+    if compute != torch.float32 or dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return None
+    return torch.get_autocast_dtype(dev)
+
 
 def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
               bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
@@ -55,7 +73,12 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
 
     ``cores`` (input cores first) and ``gates`` follow DESIGN.md section 2;
     computation happens in the cores' dtype (a bfloat16/float16 ``x`` is
-    computed in float32 and returned in its own dtype).
+    computed in float32 and returned in its own dtype).  Under
+    ``torch.autocast("cpu")`` a float32 layer computes in float32 and returns
+    autocast's dtype (bfloat16 by default), as ``F.linear`` does.  Under
+    ``torch.autocast("cuda")`` a CUDA call runs in the autocast dtype with
+    float32 accumulation, like :class:`torch.nn.Linear`: cores, gates and bias
+    are cast per call and their gradients flow back in their own dtype.
 
     Example:
         >>> import torch, comera
@@ -66,14 +89,21 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         torch.Size([3, 4])
     """
     compute = cores[0].dtype
+    autocast = x.is_cuda and torch.is_autocast_enabled("cuda") and compute == torch.float32
+    if autocast:
+        compute = torch.get_autocast_dtype("cuda")
+        cores = [c.to(compute) for c in cores]
+        gates = [g.to(compute) for g in gates]
+        bias = bias.to(compute) if bias is not None else None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != compute:
         x2 = x2.to(compute)
     y, _ = torch.ops.comera.tt_linear(x2.contiguous(), list(cores), list(gates), bias,
                                       num_in_cores, out_features, PATHS[path])
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    out_dtype = y.dtype if autocast else (_autocast_dtype(x, compute) or x.dtype)
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
     return y.reshape(*lead, out_features)
 
 

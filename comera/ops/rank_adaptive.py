@@ -1,9 +1,10 @@
 """The comera::gate_prox_ operator: the fused proximal step on TT gates.
 
 See csrc/include/comera/rank_adaptive.h for the exact rule.  The C kernel
-serves CPU tensors; gates on other devices (a GPU run) go through the same
-rule written with torch ops below, so RankAdaptive works wherever the model
-lives.  Gates are short (one entry per rank), so that path costs little.
+serves CPU tensors and, in a CUDA build, a CUDA kernel serves CUDA tensors;
+gates elsewhere go through the same rule written with torch ops below, so
+RankAdaptive works wherever the model lives.  Gates are short (one entry per
+rank), so that path costs little.
 """
 from typing import List, Sequence
 
@@ -47,6 +48,11 @@ def _gate_prox_torch(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor
     return torch.tensor(live, dtype=torch.int64)
 
 
+def _has_cuda_kernel() -> bool:
+    """Whether this build registered the CUDA kernel of comera::gate_prox_."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("comera::gate_prox_", "CUDA")
+
+
 def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], threshold: float,
                min_live: int = 1, kill: bool = True) -> torch.Tensor:
     """One fused proximal step over many gate vectors, in place.
@@ -84,12 +90,13 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
     live = torch.empty(len(gates), dtype=torch.int64)
     for (device, _), idx in groups.items():
         gs, ss = [gates[i] for i in idx], [signs[i] for i in idx]
-        if device.type == "cpu":
+        if device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernel()):
             with torch.no_grad():
-                live[idx] = torch.ops.comera.gate_prox_(gs, ss, float(threshold), int(min_live),
-                                                        bool(kill))
+                out = torch.ops.comera.gate_prox_(gs, ss, float(threshold), int(min_live),
+                                                  bool(kill))
         else:
-            live[idx] = _gate_prox_torch(gs, ss, float(threshold), int(min_live), bool(kill))
+            out = _gate_prox_torch(gs, ss, float(threshold), int(min_live), bool(kill))
+        live[idx] = out.cpu()
     return live
 
 

@@ -80,9 +80,21 @@ int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
         s->level_flops[k] = 2.0 * (double)s->E[k - 1] * (double)s->r[k] * (double)N;
         s->row_flops += s->level_flops[k];
     }
+    {
+        /* the last level in micro-kernel slots (a 6 x 16 tile per 6 rows and
+         * 16 columns, times the depth), straight and transposed */
+        int64_t K = s->r[D - 1], M = s->E[D - 2], N = s->e[D - 1];
+        double straight = (double)((M + 5) / 6 * 6) * (double)((N + 15) / 16 * 16) * (double)K;
+        double transposed = (double)((N + 5) / 6 * 6) * (double)((M + 15) / 16 * 16) * (double)K +
+                            (double)(K * ((M + 15) / 16 * 16)) + (double)(M * N);
+        s->last_t = transposed < 0.8 * straight;
+        int64_t a = comera_gemm_packed_size(K, M), b = comera_gemm_packed_size(M, K);
+        s->t_pack = s->last_t ? (a > b ? a : b) : 0;
+        s->t_out = s->last_t ? N * (M > K ? M : K) : 0;
+    }
     /* room for per-thread copies of every workspace, with margin */
     int64_t per = s->core_off[D] + s->acc_off[D - 1] + s->state_off[D - 1] + s->pack_scratch +
-                  s->dim_pad;
+                  s->dim_pad + s->t_pack + s->t_out;
     if (!mul_ok(per, 8 * 256, &t) || !mul_ok(s->pf_off[D] + s->pb_off[D], 16, &t))
         return COMERA_ERR_OVERFLOW;
     return COMERA_OK;

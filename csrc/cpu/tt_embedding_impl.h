@@ -51,9 +51,16 @@ static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < s->v[k]; i++) {
                 if (!slice) continue;
-                for (int64_t a = 0; a < K; a++)
-                    for (int64_t n = 0; n < N; n++)
-                        slice[a * N + n] = core[a * rs + i * N + n] * (g ? g[n % rr] : (REAL)1);
+                for (int64_t a = 0; a < K; a++) {
+                    const REAL *src = core + a * rs + i * N;
+                    REAL *dst = slice + a * N;
+                    if (!g) {
+                        memcpy(dst, src, sizeof(REAL) * (size_t)N);
+                        continue;
+                    }
+                    for (int64_t n0 = 0; n0 < N; n0 += rr)
+                        for (int64_t j = 0; j < rr; j++) dst[n0 + j] = src[n0 + j] * g[j];
+                }
                 FN(comera_gemm_pack_b)(K, N, slice, N, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
                 if (pb)
                     FN(comera_gemm_pack_b)(N, K, slice, 1, N, pb + s->pb_off[k] + i * s->pb_size[k]);
@@ -64,49 +71,110 @@ static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL
     return rc;
 }
 
+/* What one thread's per-row work reads and writes. */
+typedef struct FN(emb_ctx) {
+    const emb_shape *s;
+    const REAL *eff;      /* gated core 0 */
+    const REAL *pf, *pb;  /* packed slices of cores 1..d-1 */
+    const REAL *last;     /* core d-1 itself, for the transposed last level */
+    REAL *state;          /* R_k, k = 1..d-2 */
+    REAL *acc;            /* dR_k, k = 0..d-2 (backward) */
+    REAL *pack;           /* a packed dR_k (backward) */
+    REAL *tpack, *tout;   /* transposed last level */
+    REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
+} FN(emb_ctx);
+
+/* Carves one thread's scratch out of ws: states, then (backward only)
+ * accumulators and the packing buffer, then the transposed-level buffers.
+ * Returns the number of elements used; the same call with ws == NULL
+ * sizes it. */
+static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, int backward) {
+    int d = s->d;
+    int64_t off = 0;
+    memset(c, 0, sizeof *c);
+    c->s = s;
+    c->state = ws ? ws + off : NULL;
+    off += s->state_off[d - 1];
+    if (backward) {
+        c->acc = ws ? ws + off : NULL;
+        off += s->acc_off[d - 1];
+        c->pack = ws ? ws + off : NULL;
+        off += s->pack_scratch;
+    }
+    c->tpack = ws ? ws + off : NULL;
+    off += s->t_pack;
+    c->tout = ws ? ws + off : NULL;
+    off += s->t_out;
+    return off;
+}
+
 /* R_{k-1} of the row with multi-index idx: a slice of core 0, or a state. */
-static const REAL *FN(emb_prev_state)(const emb_shape *s, const REAL *eff, const int64_t *idx,
-                                      const REAL *state, int k) {
-    return k == 1 ? eff + idx[0] * s->e[0] * s->r[1] : state + s->state_off[k - 1];
+static const REAL *FN(emb_prev_state)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
+    const emb_shape *s = c->s;
+    return k == 1 ? c->eff + idx[0] * s->e[0] * s->r[1] : c->state + s->state_off[k - 1];
+}
+
+/* The last level transposed: row^T (e x E) = C_{d-1}[:, i]^T (e x r) times
+ * R^T (r x E), then transposed into dst (E x e). */
+static void FN(emb_last_fwd_t)(const FN(emb_ctx) *c, const int64_t *idx, REAL *dst) {
+    const emb_shape *s = c->s;
+    int k = s->d - 1;
+    int64_t K = s->r[k], M = s->E[k - 1], N = s->e[k];
+    const REAL *R = FN(emb_prev_state)(c, idx, k);
+    FN(comera_gemm_pack_b)(K, M, R, 1, K, c->tpack);
+    FN(comera_gemm_packed)(N, M, K, c->last + idx[k] * N, 1, s->v[k] * N, c->tpack, c->tout, M, 0);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < N; j++) dst[m * N + j] = c->tout[j * M + m];
 }
 
 /* Levels from..to of the chain for row idx: R_k = R_{k-1} C_k[:, i_k];
  * level d-1 writes the row (dim_pad entries) to dst. */
-static void FN(emb_chain)(const emb_shape *s, const REAL *eff, const REAL *pf,
-                          const int64_t *idx, int from, int to, REAL *state, REAL *dst) {
+static void FN(emb_chain)(const FN(emb_ctx) *c, const int64_t *idx, int from, int to, REAL *dst) {
+    const emb_shape *s = c->s;
     for (int k = from; k <= to; k++) {
-        const REAL *A = FN(emb_prev_state)(s, eff, idx, state, k);
-        REAL *C = k == s->d - 1 ? dst : state + s->state_off[k];
+        if (k == s->d - 1 && s->last_t) {
+            FN(emb_last_fwd_t)(c, idx, dst);
+            continue;
+        }
+        const REAL *A = FN(emb_prev_state)(c, idx, k);
+        REAL *C = k == s->d - 1 ? dst : c->state + s->state_off[k];
         int64_t N = s->e[k] * s->r[k + 1];
         FN(comera_gemm_packed)(s->E[k - 1], N, s->r[k], A, s->r[k], 1,
-                               pf + s->pf_off[k] + idx[k] * s->pf_size[k], C, N, 0);
+                               c->pf + s->pf_off[k] + idx[k] * s->pf_size[k], C, N, 0);
     }
 }
 
 /* Backward of level k >= 1 given X = d(R_{k-1} C_k[:, i_k]) (E[k-1] x
  * e[k] r[k+1]): the slice gradient += R_{k-1}^T X, dR_{k-1} += X C_k^T. */
-static void FN(emb_level_bwd)(const emb_shape *s, const REAL *eff, const REAL *pb,
-                              const int64_t *idx, int k, const REAL *state, const REAL *X,
-                              REAL *acc, REAL *const *deff, REAL *pack) {
-    int64_t N = s->e[k] * s->r[k + 1], K = s->E[k - 1], rk = s->r[k];
-    const REAL *R = FN(emb_prev_state)(s, eff, idx, state, k);
-    FN(comera_gemm_pack_b)(K, N, X, N, 1, pack);
-    FN(comera_gemm_packed)(rk, N, K, R, 1, rk, pack, deff[k] + idx[k] * N, s->v[k] * N, 1);
-    FN(comera_gemm_packed)(K, rk, N, X, N, 1, pb + s->pb_off[k] + idx[k] * s->pb_size[k],
-                           acc + s->acc_off[k - 1], rk, 1);
+static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, const REAL *X) {
+    const emb_shape *s = c->s;
+    int64_t N = s->e[k] * s->r[k + 1], M = s->E[k - 1], rk = s->r[k], ld = s->v[k] * N;
+    const REAL *R = FN(emb_prev_state)(c, idx, k);
+    REAL *dslice = c->deff[k] + idx[k] * N;
+    if (k == s->d - 1 && s->last_t) {
+        /* slice gradient transposed: (e x r) = X^T (e x E) times R (E x r) */
+        FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
+        FN(comera_gemm_packed)(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);
+        for (int64_t a = 0; a < rk; a++)
+            for (int64_t j = 0; j < N; j++) dslice[a * ld + j] += c->tout[j * rk + a];
+    } else {
+        FN(comera_gemm_pack_b)(M, N, X, N, 1, c->pack);
+        FN(comera_gemm_packed)(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
+    }
+    FN(comera_gemm_packed)(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
+                           c->acc + s->acc_off[k - 1], rk, 1);
 }
 
 /* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down. */
-static void FN(emb_flush)(const emb_shape *s, const REAL *eff, const REAL *pb,
-                          const int64_t *idx, int k, const REAL *state, REAL *acc,
-                          REAL *const *deff, REAL *pack) {
-    REAL *X = acc + s->acc_off[k];
+static void FN(emb_flush)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
+    const emb_shape *s = c->s;
+    REAL *X = c->acc + s->acc_off[k];
     int64_t n = s->acc_off[k + 1] - s->acc_off[k];
     if (k == 0) {
-        REAL *slice = deff[0] + idx[0] * n;
+        REAL *slice = c->deff[0] + idx[0] * n;
         for (int64_t i = 0; i < n; i++) slice[i] += X[i];
     } else {
-        FN(emb_level_bwd)(s, eff, pb, idx, k, state, X, acc, deff, pack);
+        FN(emb_level_bwd)(c, idx, k, X);
     }
     memset(X, 0, sizeof(REAL) * (size_t)n);
 }
@@ -121,7 +189,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
     int direct = !bag && dim == dp; /* rows land straight in the output */
-    int64_t per = s->state_off[d - 1] + dp;
+    FN(emb_ctx) ctx0;
+    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     REAL *pf = malloc(sizeof(REAL) * (size_t)(s->pf_off[d] > 0 ? s->pf_off[d] : 1));
     REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
@@ -143,7 +212,11 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
          * thread), so chunk by the team that actually runs */
         int tid = omp_get_thread_num(), team = omp_get_num_threads();
         int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
-        REAL *state = ws + per * tid, *scratch = state + s->state_off[d - 1];
+        FN(emb_ctx) ctx;
+        REAL *scratch = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 0);
+        ctx.eff = eff;
+        ctx.pf = pf;
+        ctx.last = cores[d - 1];
         int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
         for (int64_t u = u0; u < u1; u++) {
             unravel(s, rows.keys[u], idx);
@@ -151,7 +224,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             if (l > d - 1) l = d - 1;
             const int64_t *ps = rows.pos + rows.start[u], *pe = rows.pos + rows.start[u + 1];
             REAL *dst = bag ? rowbuf + u * dp : direct ? out + ps[0] * dim : scratch;
-            FN(emb_chain)(s, eff, pf, idx, l < 1 ? 1 : l, d - 1, state, dst);
+            FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
             if (!bag)
                 for (const int64_t *p = ps + direct; p < pe; p++)
                     memcpy(out + *p * dim, dst, sizeof(REAL) * (size_t)dim);
@@ -217,7 +290,8 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
      * buffer.  Thread 0 accumulates the gated-core gradients straight into
      * dcores, the others into private copies (priv) added on in thread
      * order, so the sums do not depend on scheduling. */
-    int64_t per = s->state_off[d - 1] + s->acc_off[d - 1] + dp + s->pack_scratch;
+    FN(emb_ctx) ctx0;
+    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 1) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     REAL *pf = malloc(sizeof(REAL) * (size_t)(s->pf_off[d] > 0 ? s->pf_off[d] : 1));
     REAL *pb = malloc(sizeof(REAL) * (size_t)(s->pb_off[d] > 0 ? s->pb_off[d] : 1));
@@ -241,11 +315,14 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
          * of threads that never ran stay zero */
         int tid = omp_get_thread_num(), team = omp_get_num_threads();
         int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
-        REAL *deff[COMERA_MAX_CORES];
+        FN(emb_ctx) ctx;
+        REAL *g = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 1);
+        ctx.eff = eff;
+        ctx.pf = pf;
+        ctx.pb = pb;
+        ctx.last = cores[d - 1];
         for (int k = 0; k < d; k++)
-            deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
-        REAL *state = ws + per * tid;
-        REAL *acc = state + s->state_off[d - 1], *g = acc + s->acc_off[d - 1], *pack = g + dp;
+            ctx.deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
         int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
         for (int64_t u = u0; u < u1; u++) {
             unravel(s, rows.keys[u], idx);
@@ -254,8 +331,8 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             /* prefixes of length > l end here: flush with the old path */
             if (u > u0)
                 for (int k = d - 2; k >= l; k--)
-                    FN(emb_flush)(s, eff, pb, prev, k, state, acc, deff, pack);
-            FN(emb_chain)(s, eff, pf, idx, l < 1 ? 1 : l, d - 2, state, NULL);
+                    FN(emb_flush)(&ctx, prev, k);
+            FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 2, NULL);
             /* the row's gradient, summed over its positions in order */
             memset(g, 0, sizeof(REAL) * (size_t)dp);
             for (int64_t j = rows.start[u]; j < rows.start[u + 1]; j++) {
@@ -264,12 +341,12 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                 REAL w = bag ? scale[p] : (REAL)1;
                 for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
             }
-            FN(emb_level_bwd)(s, eff, pb, idx, d - 1, state, g, acc, deff, pack);
+            FN(emb_level_bwd)(&ctx, idx, d - 1, g);
             memcpy(prev, idx, sizeof idx);
         }
         if (u1 > u0)
             for (int k = d - 2; k >= 0; k--)
-                FN(emb_flush)(s, eff, pb, prev, k, state, acc, deff, pack);
+                FN(emb_flush)(&ctx, prev, k);
     }
     for (int th = 1; th < nt; th++) /* fixed order: reproducible sums */
         for (int k = 0; k < d; k++) {

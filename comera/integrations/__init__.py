@@ -1,0 +1,11 @@
+"""Glue between comera and the tools people already train with.
+
+- :mod:`comera.integrations.ddp`: rank pruning under
+  ``torch.nn.parallel.DistributedDataParallel`` (keep ranks identical in every
+  process, then re-wrap the model, since DDP's gradient buckets are built for
+  the old parameter shapes).
+- :mod:`comera.integrations.hf`: ``RankAdaptiveCallback`` for the Hugging Face
+  ``transformers.Trainer`` (transformers is imported only when that module is).
+
+Nothing here is imported by ``import comera``.
+"""

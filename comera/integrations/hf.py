@@ -1,0 +1,127 @@
+"""Rank-adaptive training inside the Hugging Face ``transformers.Trainer``.
+
+Two added lines turn a Trainer run into CoMERA's two-stage schedule::
+
+    model = comera.convert(model, rank=32)                                   # 1
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[RankAdaptiveCallback(gamma=1e-3, threshold=1e-3,   # 2
+                                                      stage1_steps=500, stage2_steps=500,
+                                                      target_compression=20.0)])
+    trainer.train()
+
+How it plugs in (the Trainer computes the loss itself, so the penalty is
+applied as a gradient): right before every optimizer step (after gradient
+clipping) the callback adds the gradient of ``RankAdaptive.penalty()`` to
+the gates' gradients (computed with ``torch.autograd.grad``, so no extra
+backward runs through the model or through DDP's hooks); right after the
+step it calls ``RankAdaptive.step(optimizer)`` (proximal step on the gates,
+the stage-2 size controller, and pruning when ``prune_every`` is set).  The
+reported training loss is the task loss; the callback's ``history`` keeps
+(step, stage, compression) at every logging step, and the same numbers are
+added to the log dict the Trainer hands to the callbacks after this one (the
+printed progress lines among them) as ``comera_stage`` / ``comera_compression``.
+
+Limits: under multi-process training (DDP) leave ``prune_every`` unset and
+prune after training (or in your own loop with
+:func:`comera.integrations.ddp.prune`), because the Trainer's DDP wrapper
+cannot be re-wrapped from a callback.  With fp16 and a GradScaler keep
+``max_grad_norm > 0`` (the default), so gradients are unscaled before the
+penalty gradient is added; bf16 has no such constraint.
+
+``transformers`` is imported when this module is, never by ``import comera``.
+"""
+import warnings
+from typing import List, Tuple
+
+import torch
+
+from comera.layer_base import tt_layers
+from comera.rank_adaptive import RankAdaptive
+
+try:
+    from transformers import TrainerCallback
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError("comera.integrations.hf needs the transformers package: "
+                      "pip install transformers (or comera[train])") from err
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer inside accelerate's AcceleratedOptimizer (if wrapped)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+class RankAdaptiveCallback(TrainerCallback):
+    """Runs :class:`comera.RankAdaptive` inside ``transformers.Trainer``.
+
+    Args:
+        rank_adaptive: an existing controller; or leave it None and pass the
+            :class:`comera.RankAdaptive` keyword arguments (gamma, threshold,
+            stage1_steps, stage2_steps, target_compression, prune_every,
+            min_rank), and it is built on the Trainer's model when training
+            begins.
+
+    Example:
+        >>> import comera
+        >>> from comera.integrations.hf import RankAdaptiveCallback
+        >>> cb = RankAdaptiveCallback(gamma=1e-3, threshold=1e-3, stage1_steps=100,
+        ...                           stage2_steps=100, target_compression=10.0)
+        >>> # Trainer(model=comera.convert(model, rank=16), ..., callbacks=[cb]).train()
+    """
+
+    def __init__(self, rank_adaptive=None, **rank_adaptive_kwargs):
+        if rank_adaptive is not None and rank_adaptive_kwargs:
+            raise TypeError("RankAdaptiveCallback: pass either a RankAdaptive or its keyword "
+                            f"arguments, not both (got {sorted(rank_adaptive_kwargs)})")
+        if rank_adaptive is None and not rank_adaptive_kwargs:
+            raise TypeError("RankAdaptiveCallback: pass a comera.RankAdaptive, or its keyword "
+                            "arguments (gamma=..., threshold=..., stage1_steps=..., stage2_steps=...)")
+        if rank_adaptive is not None and not callable(getattr(rank_adaptive, "penalty", None)):
+            raise TypeError("RankAdaptiveCallback: rank_adaptive must be a comera.RankAdaptive, got "
+                            f"{type(rank_adaptive).__name__}")
+        if rank_adaptive_kwargs:
+            with warnings.catch_warnings():    # validate the arguments now, not at train time
+                warnings.simplefilter("ignore")
+                RankAdaptive(torch.nn.Module(), **rank_adaptive_kwargs)
+        self.rank_adaptive = rank_adaptive
+        self._kwargs = rank_adaptive_kwargs
+        self.history: List[Tuple[int, int, float]] = []
+
+    # ------------------------------------------------------------- events
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.rank_adaptive is None:
+            if model is None:
+                raise RuntimeError("RankAdaptiveCallback: the Trainer gave no model to build "
+                                   "the RankAdaptive controller on")
+            self.rank_adaptive = RankAdaptive(model, **self._kwargs)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        ra = self.rank_adaptive
+        gates = [g for _, layer in tt_layers(ra.model) for g in layer.gates if g.requires_grad]
+        if not gates:
+            return
+        penalty = ra.penalty()
+        if not penalty.requires_grad:
+            return                                   # frozen ranks: nothing to add
+        grads = torch.autograd.grad(penalty, gates, allow_unused=True)
+        with torch.no_grad():
+            for g, d in zip(gates, grads):
+                if d is None:
+                    continue
+                if g.grad is None:
+                    g.grad = d.detach().clone()
+                else:
+                    g.grad.add_(d)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.rank_adaptive.step(_unwrap_optimizer(optimizer) if optimizer is not None else None)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.rank_adaptive is None:
+            return
+        ra = self.rank_adaptive
+        entry = (state.global_step, ra.stage, float(ra.compression()))
+        self.history.append(entry)
+        if logs is not None:
+            logs["comera_stage"] = entry[1]
+            logs["comera_compression"] = round(entry[2], 3)

@@ -1,0 +1,195 @@
+"""comera.save / comera.load: safetensors checkpoints that record each TT
+layer's ranks, so a rank-pruned model reloads into a freshly converted one.
+
+The file is a plain safetensors file (readable by ``safetensors.safe_open``
+and any other safetensors reader) holding ``model.state_dict()``; tensors
+that are one shared Parameter (tied weights) are stored once.  Its string
+metadata holds ``comera.layers`` (JSON: per TT layer its type, ranks, live
+ranks and mode sizes), ``comera.aliases`` (JSON: dropped name -> stored
+name) and ``comera.version``.  safetensors is imported lazily (it is in the
+``train`` extra), so ``import comera`` needs only torch.
+"""
+import json
+import os
+from typing import Dict, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from comera.checkpoint import load_state_dict
+from comera.layer_base import live_ranks, tt_layers
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _layer_info(layer: nn.Module) -> dict:
+    cores = list(layer.cores)
+    return {
+        "type": type(layer).__name__,
+        "ranks": [int(c.shape[-1]) for c in cores[:-1]],
+        "live_ranks": live_ranks(layer),
+        "modes": [list(c.shape[1:-1]) for c in cores],
+    }
+
+
+def _import_safetensors():
+    try:
+        import safetensors.torch  # noqa: F401
+        from safetensors import safe_open
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("comera.save/load need the safetensors package: "
+                          "pip install safetensors (or comera[train])") from err
+    return safetensors.torch, safe_open
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def save(model: nn.Module, path: PathLike, *, metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Writes ``model.state_dict()`` to a safetensors file with the TT ranks in its metadata.
+
+    Tensors that share one storage (tied weights) are written once and
+    re-linked by :func:`load`; every tensor is written from the CPU.
+    ``metadata`` adds your own string entries (keys must not start with
+    ``comera.``).
+
+    Example:
+        >>> import os, tempfile, torch, comera
+        >>> net = comera.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), rank=4)
+        >>> path = os.path.join(tempfile.mkdtemp(), "net.safetensors")
+        >>> comera.save(net, path)
+        >>> fresh = comera.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), rank=4)
+        >>> x = torch.randn(2, 64)
+        >>> torch.equal(comera.load(fresh, path)(x), net(x))
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save: model must be an nn.Module, got {type(model).__name__}")
+    if metadata is not None:
+        if not isinstance(metadata, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise TypeError("save: metadata must be a mapping of str to str")
+        bad = [k for k in metadata if k.startswith("comera.")]
+        if bad:
+            raise ValueError(f"save: metadata keys starting with 'comera.' are reserved, got {bad}")
+    st, _ = _import_safetensors()
+    tensors: Dict[str, torch.Tensor] = {}
+    aliases: Dict[str, str] = {}
+    first_of: Dict[tuple, str] = {}   # storage -> first name stored from it
+    state = model.state_dict()
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"save: state_dict entry '{name}' is a {type(t).__name__}, not a tensor")
+        key = _storage_key(t) if t.numel() > 0 else None
+        first = first_of.get(key) if key is not None else None
+        if first is None:
+            if key is not None:
+                first_of[key] = name
+            tensors[name] = t.detach().to("cpu").contiguous()
+            continue
+        ref = state[first]
+        if (t.shape, t.stride(), t.storage_offset(), t.dtype) == \
+                (ref.shape, ref.stride(), ref.storage_offset(), ref.dtype):
+            aliases[name] = first           # one Parameter under two names (tied weights)
+        else:
+            tensors[name] = t.detach().to("cpu", copy=True).contiguous()  # another view: own copy
+    info = {name: _layer_info(layer) for name, layer in tt_layers(model)}
+    meta = {"format": "pt", "comera.version": _version(), "comera.layers": json.dumps(info),
+            "comera.aliases": json.dumps(aliases)}
+    meta.update(metadata or {})
+    st.save_file(tensors, os.fspath(path), metadata=meta)
+
+
+def _version() -> str:
+    import comera
+    return getattr(comera, "__version__", "unknown")
+
+
+def read_metadata(path: PathLike) -> Dict[str, object]:
+    """The comera metadata of a file written by :func:`save`: ``{"layers":
+    {name: {"type", "ranks", "live_ranks", "modes"}}, "aliases": {...},
+    "version": str, "user": {other keys}}``.
+
+    Example:
+        >>> import os, tempfile, torch, comera
+        >>> path = os.path.join(tempfile.mkdtemp(), "l.safetensors")
+        >>> comera.save(comera.TTLinear(64, 64, rank=4), path)
+        >>> comera.io.read_metadata(path)["layers"][""]["ranks"]
+        [4, 4, 4, 4, 4]
+    """
+    _, safe_open = _import_safetensors()
+    with safe_open(os.fspath(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    return {
+        "layers": json.loads(meta.pop("comera.layers", "{}")),
+        "aliases": json.loads(meta.pop("comera.aliases", "{}")),
+        "version": meta.pop("comera.version", None),
+        "user": meta,
+    }
+
+
+def _is_zip(path: PathLike) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"PK"
+
+
+def _read(path_or_state: Union[PathLike, Mapping[str, torch.Tensor]]):
+    if isinstance(path_or_state, Mapping):
+        return dict(path_or_state), {}
+    path = os.fspath(path_or_state)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load: no checkpoint file at {path!r}")
+    if _is_zip(path):  # torch.save(model.state_dict(), path)
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"load: {path!r} holds a {type(sd).__name__}, expected a state_dict")
+        return dict(sd), {}
+    st, _ = _import_safetensors()
+    sd = st.load_file(path, device="cpu")
+    meta = read_metadata(path)
+    for alias, first in meta["aliases"].items():
+        sd[alias] = sd[first]
+    return sd, meta["layers"]
+
+
+def _check_tt_places(model: nn.Module, layers_meta: dict) -> None:
+    """Every TT layer recorded in the file must be a TT layer in the model."""
+    mods = dict(model.named_modules())
+    for name, info in layers_meta.items():
+        m = mods.get(name)
+        if m is None or not isinstance(getattr(m, "cores", None), nn.ParameterList):
+            found = "nothing" if m is None else type(m).__name__
+            raise ValueError(f"load: the checkpoint holds a {info.get('type', 'TT layer')} at "
+                             f"'{name or '<model>'}' (ranks {info.get('ranks')}) but the model has "
+                             f"{found} there: convert the model first (comera.convert with the "
+                             "arguments used before saving)")
+
+
+def load(model: nn.Module, path: Union[PathLike, Mapping[str, torch.Tensor]], *,
+         strict: bool = True) -> nn.Module:
+    """Loads a checkpoint into ``model`` (in place) and returns ``model``.
+
+    ``path`` is a file written by :func:`save`, a ``torch.save(model.state_dict())``
+    file (read with ``weights_only=True``), or a state_dict.  TT layers take
+    the checkpoint's ranks first (the Parameter objects stay, their shapes
+    change), so a model pruned before saving reloads into a freshly converted
+    one; build the optimizer after loading.  Raises ValueError naming the
+    layer when the checkpoint does not fit (a TT layer where the model is
+    still dense, other mode sizes), and RuntimeError for missing/unexpected
+    keys when ``strict``.
+
+    Example:
+        >>> import os, tempfile, torch, comera
+        >>> path = os.path.join(tempfile.mkdtemp(), "l.safetensors")
+        >>> small = comera.TTLinear(64, 64, rank=2)
+        >>> comera.save(small, path)
+        >>> comera.load(comera.TTLinear(64, 64, rank=8), path).ranks
+        [2, 2, 2, 2, 2]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load: model must be an nn.Module, got {type(model).__name__}")
+    sd, layers_meta = _read(path)
+    _check_tt_places(model, layers_meta)
+    load_state_dict(model, sd, strict=strict)   # resizes TT ranks first (comera.load_state_dict)
+    return model

@@ -1,0 +1,12 @@
+"""``comera pretrain``: CodeBERT-style masked-language-model pre-training on
+Python source, dense against CoMERA (needs the ``train`` extra).
+
+Modules: corpus (files and the split), tokenizer (byte-level BPE + cache),
+data (blocks, batch order, masking), model (presets, RoBERTa, conversion),
+train (the loop), checkpoint, monitor (progress, memory, Ctrl-C), report,
+plots, run (the whole job), cli (flags).
+
+Example:
+    >>> from comera.__main__ import main
+    >>> main(["pretrain", "--help"])  # doctest: +SKIP
+"""

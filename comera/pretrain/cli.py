@@ -1,0 +1,119 @@
+"""Command-line flags of ``comera pretrain``.  Every preset setting has a
+flag; a flag that is not given keeps the preset's value."""
+import argparse
+
+from comera.pretrain.model import PRESETS
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {v}")
+    return v
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {v}")
+    return v
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("run")
+    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="model size and training budget (default: tiny, a few minutes on 2 CPU cores)")
+    g.add_argument("--method", default="both", choices=["dense", "comera", "both"],
+                   help="train the dense model, its CoMERA (TT, rank-adaptive) version, or both (default)")
+    g.add_argument("--out", default=None, help="run directory (default: a new folder under runs/)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out (default: the latest under runs/) from its checkpoints")
+    g.add_argument("--max-minutes", type=_positive_float, default=None,
+                   help="stop cleanly after this many minutes in all (shared among the methods) "
+                        "and write the report; --resume continues")
+    g.add_argument("--stop-after", type=_positive_int, default=None,
+                   help="stop each method cleanly after this many steps of this invocation")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto (a GPU when present), cpu, cuda or cuda:N")
+    g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    g = ap.add_argument_group("corpus")
+    g.add_argument("--corpus", default=None,
+                   help="a folder (searched recursively), a file, or a glob such as 'src/**/*.py' "
+                        "(default: the running Python's standard library)")
+    g.add_argument("--extensions", nargs="+", default=[".py"],
+                   help="file endings taken from a --corpus folder (default: .py)")
+    g.add_argument("--max-files", type=_positive_int, default=None,
+                   help="use a fixed, seeded subset of this many files")
+    g.add_argument("--valid-fraction", type=_fraction, default=0.05,
+                   help="share of the files held out for validation (default 0.05)")
+    g.add_argument("--vocab-size", type=_positive_int, default=None, help="BPE vocabulary (preset: 8192)")
+    g.add_argument("--max-train-tokens", type=_positive_int, default=None,
+                   help="encode only this many training tokens (preset: tiny 2M, others all)")
+    g.add_argument("--tokenizer-max-mb", type=_positive_float, default=None,
+                   help="train the tokenizer on at most this many MB of training files")
+
+    g = ap.add_argument_group("model and optimisation (default: the preset's)")
+    g.add_argument("--layers", type=_positive_int)
+    g.add_argument("--hidden", type=_positive_int)
+    g.add_argument("--heads", type=_positive_int)
+    g.add_argument("--ffn", type=_positive_int)
+    g.add_argument("--seq-len", type=_positive_int)
+    g.add_argument("--dropout", type=_fraction)
+    g.add_argument("--batch-size", type=_positive_int)
+    g.add_argument("--steps", type=_positive_int)
+    g.add_argument("--lr", type=_positive_float)
+    g.add_argument("--warmup", type=_fraction, help="fraction of the steps spent warming up")
+    g.add_argument("--weight-decay", type=_nonneg_float)
+    g.add_argument("--clip", type=_positive_float, help="gradient-norm clipping")
+    g.add_argument("--eval-every", type=_positive_int)
+    g.add_argument("--valid-blocks", type=_positive_int, help="validation sequences scored")
+    g.add_argument("--checkpoint-every", type=_positive_int)
+    g.add_argument("--log-every", type=_positive_int, help="steps between rank/compression records")
+
+    g = ap.add_argument_group("CoMERA (default: the preset's)")
+    g.add_argument("--rank", type=_positive_int, help="initial TT rank of the converted linear layers")
+    g.add_argument("--vocab-rank", type=_positive_int,
+                   help="initial TT rank of the word embedding and the output decoder")
+    g.add_argument("--init", choices=["random", "svd"], help="TT initialisation for comera.convert")
+    g.add_argument("--gamma", type=_nonneg_float, help="L1 weight on the TT gates (stage 1)")
+    g.add_argument("--threshold", type=_nonneg_float, help="gate entries below this die")
+    g.add_argument("--stage1", type=_fraction, help="fraction of the steps in stage 1")
+    g.add_argument("--stage2", type=_fraction, help="fraction of the steps in stage 2")
+    g.add_argument("--target-compression", type=_positive_float,
+                   help="stage 2 target: compression of the converted layers (dense / TT params)")
+    g.add_argument("--prune-every", type=_positive_int, help="steps between physical rank pruning")
+
+
+def run(args) -> int:
+    """Runs ``comera pretrain``; returns the process exit status."""
+    from comera.pretrain.run import run_pretrain
+    metrics = run_pretrain(args)
+    return 130 if metrics.get("interrupted") else 0

@@ -1,0 +1,263 @@
+"""The training loop of one method (dense or CoMERA): AdamW with warm-up
+and linear decay, gradient clipping, periodic evaluation and checkpoints,
+clean stops (Ctrl-C, a time budget) and exact resumption."""
+import math
+import os
+import time
+from dataclasses import asdict
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera.pretrain import checkpoint as ckpt
+from comera.pretrain.data import MLMData
+from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
+from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
+
+METHODS = ("dense", "comera")
+
+
+def mlm_loss_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """(summed cross-entropy, number of predicted tokens).  The output layer
+    only runs on the masked positions: the same loss as scoring every
+    position and ignoring the rest, at a fraction of the cost."""
+    hidden = model.roberta(input_ids=inputs).last_hidden_state
+    chosen = labels != -100
+    logits = model.lm_head(hidden[chosen])
+    return F.cross_entropy(logits.float(), labels[chosen], reduction="sum"), int(chosen.sum())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: MLMData, device: torch.device, batch_size: int) -> float:
+    """Mean validation MLM loss per predicted token (fixed masks)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for inputs, labels in data.valid_batches(batch_size):
+        loss, n = mlm_loss_sum(model, inputs.to(device), labels.to(device))
+        total += float(loss)
+        count += n
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def make_optimizer(model: nn.Module, p: Preset) -> torch.optim.Optimizer:
+    """AdamW; biases, LayerNorm weights and TT gates are not decayed (the
+    gates have their own L1 penalty)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.dim() < 2 or ".gates." in name:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": p.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=p.lr, betas=(0.9, 0.98), eps=1e-6)
+
+
+def make_schedule(optimizer, p: Preset):
+    """Linear warm-up over ``warmup * steps`` steps, then linear decay to 0."""
+    warm = max(1, round(p.warmup * p.steps))
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (p.steps - step) / max(1, p.steps - warm))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_controller(model: nn.Module, p: Preset):
+    import comera
+    if not hasattr(comera, "RankAdaptive"):
+        raise RuntimeError("--method comera needs comera.RankAdaptive, which this build of comera lacks")
+    return comera.RankAdaptive(model, gamma=p.gamma, threshold=p.threshold,
+                               stage1_steps=int(p.stage1 * p.steps), stage2_steps=int(p.stage2 * p.steps),
+                               target_compression=p.target_compression, prune_every=p.prune_every)
+
+
+def stage_name(controller) -> str:
+    """"dense", or the rank controller's stage: "1", "2", "2 frozen"."""
+    if controller is None:
+        return "dense"
+    return f"{controller.stage}{' frozen' if getattr(controller, 'frozen', False) else ''}"
+
+
+def _new_history() -> dict:
+    return {"step": [], "loss": [], "lr": [], "valid": [], "tokens_per_s": [], "compression": [],
+            "whole_compression": [], "stage": [], "ranks": {"step": [], "layers": {}}}
+
+
+def _record_structure(history: dict, model: nn.Module, step: int, controller) -> tuple:
+    counts = count_parameters(model)
+    conv = counts["converted_dense"] / counts["converted_tt"] if counts["converted_tt"] else 1.0
+    whole = counts["dense_equivalent"] / counts["total_live"]
+    history["compression"].append([step, conv])
+    history["whole_compression"].append([step, whole])
+    history["stage"].append([step, stage_name(controller)])
+    ranks = ckpt.tt_live_ranks(model)
+    if ranks:
+        history["ranks"]["step"].append(step)
+        for name, r in ranks.items():
+            history["ranks"]["layers"].setdefault(name, []).append(r)
+    return conv, whole
+
+
+class Budget:
+    """When to stop early: a wall-clock deadline and/or a step count for
+    this invocation."""
+
+    def __init__(self, deadline: Optional[float] = None, stop_after: Optional[int] = None):
+        self.deadline, self.stop_after = deadline, stop_after
+
+
+def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device: torch.device,
+                 seed: int, resume: bool, budget: Budget, stop: StopFlag, progress: bool = True,
+                 log: Callable = print) -> dict:
+    """Trains ``method`` for ``p.steps`` steps (or until stopped) and returns
+    its result: metrics and history, also written to
+    ``run_dir/<method>/result.json`` by the caller.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    mdir = os.path.join(run_dir, method)
+    os.makedirs(mdir, exist_ok=True)
+    path = os.path.join(mdir, "checkpoint.pt")
+    vocab = data.vocab_size
+    memory = PeakMemory(device)
+    # Measured from before the model exists: it and its optimizer state count.
+    memory.reset()
+    model = build_comera(p, vocab, seed) if method == "comera" else build_dense(p, vocab, seed)
+    model.to(device).train()
+    optimizer = make_optimizer(model, p)
+    schedule = make_schedule(optimizer, p)
+    controller = make_controller(model, p) if method == "comera" else None
+
+    step, history = 0, _new_history()
+    totals = {"train_time_s": 0.0, "wall_time_s": 0.0, "tokens": 0, "peak_memory_bytes": 0,
+              "peak_memory_growth_bytes": 0}
+    if resume and os.path.exists(path):
+        state = ckpt.load(path)
+        ckpt.resize_tt_to(model, state["model"])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        if controller is not None:
+            controller.load_state_dict(state["controller"])
+        ckpt.set_rng_state(state["rng"])
+        step, history, totals = state["step"], state["history"], state["totals"]
+        log(f"{method}: resumed from {path} at step {step}")
+    else:
+        torch.manual_seed(seed)
+
+    t_start = time.perf_counter()
+    wall_before = totals["wall_time_s"]
+    bar = Progress(p.steps, every=p.log_every, enabled=progress, prefix=f"{method:>6} ")
+    tokens_per_step = p.batch_size * p.seq_len
+    stop_reason = "finished" if step >= p.steps else None
+    steps_this_run = 0
+    conv, whole = (history["compression"][-1][1], history["whole_compression"][-1][1]) \
+        if history["compression"] else _record_structure(history, model, step, controller)
+
+    def save_checkpoint():
+        totals["wall_time_s"] = wall_before + time.perf_counter() - t_start
+        peak = memory.peak()
+        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
+        totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
+                                                 peak - memory.baseline)
+        ckpt.save(path, {
+            "method": method, "step": step, "model": model.state_dict(),
+            "tt_ranks": ckpt.tt_shapes(model), "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+            "controller": controller.state_dict() if controller is not None else None,
+            "rng": ckpt.rng_state(), "history": history, "totals": totals, "preset": asdict(p),
+            "finished": step >= p.steps})
+
+    while step < p.steps:
+        if stop.requested:
+            stop_reason = stop.reason
+            break
+        if budget.deadline is not None and time.time() >= budget.deadline:
+            stop_reason = "time budget (--max-minutes)"
+            break
+        if budget.stop_after is not None and steps_this_run >= budget.stop_after:
+            stop_reason = "--stop-after"
+            break
+        t0 = time.perf_counter()
+        inputs, labels = data.batch(step)
+        inputs, labels = inputs.to(device), labels.to(device)
+        loss_sum, count = mlm_loss_sum(model, inputs, labels)
+        loss = loss_sum / count
+        total_loss = loss + controller.penalty() if controller is not None else loss
+        total_loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)
+        optimizer.step()
+        if controller is not None:
+            controller.step(optimizer)
+        lr = schedule.get_last_lr()[0]
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        step += 1
+        steps_this_run += 1
+        totals["train_time_s"] += dt
+        totals["tokens"] += tokens_per_step
+        history["step"].append(step)
+        history["loss"].append(loss_value)
+        history["lr"].append(lr)
+        if not math.isfinite(loss_value):
+            stop_reason = "loss is not finite"
+            log(f"{method}: stopping at step {step}: the training loss is {loss_value}")
+            break
+        if step % p.log_every == 0 or step == p.steps:
+            memory.sample()
+            history["tokens_per_s"].append([step, totals["tokens"] / max(totals["train_time_s"], 1e-9)])
+            conv, whole = _record_structure(history, model, step, controller)
+        if step % p.eval_every == 0 or step == p.steps:
+            history["valid"].append([step, evaluate(model, data, device, p.batch_size)])
+        if step % p.checkpoint_every == 0 and step < p.steps:
+            save_checkpoint()
+        stage = stage_name(controller)
+        bar.update(step, loss=loss_value, tokens_per_s=totals["tokens"] / max(totals["train_time_s"], 1e-9),
+                   stage=stage, compression=conv)
+    bar.close()
+    if stop_reason is None:
+        stop_reason = "finished"
+    # Always end on an evaluation of the current weights, for the report.
+    if not history["valid"] or history["valid"][-1][0] != step:
+        history["valid"].append([step, evaluate(model, data, device, p.batch_size)])
+    if step >= p.steps and controller is not None:
+        # Finished: cut dead ranks for good, so the saved model is small.
+        import comera
+        comera.prune(model, optimizer)
+    if not history["compression"] or history["compression"][-1][0] != step:
+        conv, whole = _record_structure(history, model, step, controller)
+    save_checkpoint()
+    counts = count_parameters(model)
+    summary = None
+    if controller is not None:
+        import comera
+        summary = comera.summary(model) if hasattr(comera, "summary") else None
+    result = {
+        "method": method, "steps_done": step, "steps_planned": p.steps, "stopped": stop_reason,
+        "parameters": counts,
+        "compression_converted": (counts["converted_dense"] / counts["converted_tt"]
+                                  if counts["converted_tt"] else 1.0),
+        "compression_whole": counts["dense_equivalent"] / counts["total_live"],
+        "valid_loss": history["valid"][-1][1],
+        "valid_perplexity": math.exp(min(history["valid"][-1][1], 700.0)),
+        "tokens_per_s": totals["tokens"] / max(totals["train_time_s"], 1e-9),
+        "train_time_s": totals["train_time_s"], "wall_time_s": totals["wall_time_s"],
+        "peak_memory_bytes": totals["peak_memory_bytes"], "peak_memory_kind": memory.kind,
+        "peak_memory_growth_bytes": totals["peak_memory_growth_bytes"],
+        "final_ranks": ckpt.tt_live_ranks(model), "summary": summary, "history": history,
+    }
+    del model, optimizer, schedule, controller
+    release_memory()
+    return result

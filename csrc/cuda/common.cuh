@@ -1,0 +1,139 @@
+// Shared pieces of the comera CUDA kernels: element types, conversions, the
+// launch helper, and the row-major wrapper around cublasGemmEx.
+//
+// Every kernel here is written so that each thread works alone (grid-stride
+// loops, no shared memory, no __syncthreads, no atomics).  That keeps them
+// simple and deterministic, and lets tests/cuda_emu compile this very code
+// with a host compiler (COMERA_CUDA_EMULATE) and run it on the CPU against
+// the C kernels: the only way to test it on a machine without a GPU.
+#ifndef COMERA_CUDA_COMMON_CUH
+#define COMERA_CUDA_COMMON_CUH
+
+#ifdef COMERA_CUDA_EMULATE
+#include "cuda_emulate.h"  // defines __global__ & co. before any CUDA header
+#endif
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+#include <limits.h>
+#include <stdint.h>
+
+#include "comera/cuda.h"
+
+namespace comera_cuda {
+
+// Accumulator type per element type: double for double, float otherwise.
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+template <typename T> __host__ __device__ __forceinline__ float to_f(T v) { return (float)v; }
+template <> __host__ __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+template <> __host__ __device__ __forceinline__ float to_f<__half>(__half v) {
+    return __half2float(v);
+}
+
+template <typename A, typename T> __host__ __device__ __forceinline__ A to_acc(T v) {
+    return (A)to_f<T>(v);
+}
+template <> __host__ __device__ __forceinline__ double to_acc<double, double>(double v) {
+    return v;
+}
+
+template <typename T, typename A> __host__ __device__ __forceinline__ T from_acc(A v) {
+    return (T)v;
+}
+template <> __host__ __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float v) {
+    return __float2bfloat16(v);
+}
+template <> __host__ __device__ __forceinline__ __half from_acc<__half, float>(float v) {
+    return __float2half(v);
+}
+
+template <typename T> struct DType;
+template <> struct DType<float> {
+    static const cudaDataType_t cuda = CUDA_R_32F;
+    static const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+};
+template <> struct DType<double> {
+    static const cudaDataType_t cuda = CUDA_R_64F;
+    static const cublasComputeType_t compute = CUBLAS_COMPUTE_64F;
+};
+template <> struct DType<__nv_bfloat16> {
+    static const cudaDataType_t cuda = CUDA_R_16BF;
+    static const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+};
+template <> struct DType<__half> {
+    static const cudaDataType_t cuda = CUDA_R_16F;
+    static const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+};
+
+// One-dimensional launch shape for `n` independent work items; kernels loop
+// with a grid stride, so the grid is capped.
+const int kThreads = 256;
+inline unsigned grid_for(int64_t n) {
+    int64_t b = (n + kThreads - 1) / kThreads;
+    if (b < 1) b = 1;
+    if (b > 65535) b = 65535;
+    return (unsigned)b;
+}
+
+#define COMERA_FOR_EACH(i, n)                                                         \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (int64_t)(n); \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+// kernel<<<grid, block, 0, stream>>>(args...), or its CPU emulation.
+#ifdef COMERA_CUDA_EMULATE
+#define COMERA_LAUNCH(kernel, n, stream, ...) \
+    comera_emu::launch(grid_for(n), kThreads, stream, [&]() { kernel(__VA_ARGS__); })
+#else
+#define COMERA_LAUNCH(kernel, n, stream, ...) \
+    kernel<<<grid_for(n), kThreads, 0, stream>>>(__VA_ARGS__)
+#endif
+
+// Row-major GEMM on cuBLAS (column-major): C (M x N, ldc) = op(A) op(B) +
+// beta C, with op(A) M x K (A stored K x M when ta), op(B) K x N (B stored
+// N x K when tb).  Row-major C is column-major C^T = op(B)^T op(A)^T, so the
+// operands swap places.  Types may differ (bfloat16 inputs, float32 output);
+// `compute` is CUBLAS_COMPUTE_32F except for float64.
+inline int gemm_rm(cublasHandle_t h, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
+                   const void *A, cudaDataType_t at, int64_t lda, const void *B,
+                   cudaDataType_t bt, int64_t ldb, void *C, cudaDataType_t ct, int64_t ldc,
+                   cublasComputeType_t compute, double beta) {
+    if (M > INT_MAX || N > INT_MAX || K > INT_MAX || lda > INT_MAX || ldb > INT_MAX ||
+        ldc > INT_MAX)
+        return COMERA_ERR_TOO_BIG;
+    if (M == 0 || N == 0) return COMERA_OK;
+    float alpha32 = 1.0f, beta32 = (float)beta;
+    double alpha64 = 1.0, beta64 = beta;
+    bool f64 = compute == CUBLAS_COMPUTE_64F;
+    cublasStatus_t st = cublasGemmEx(
+        h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)N, (int)M,
+        (int)K, f64 ? (const void *)&alpha64 : (const void *)&alpha32, B, bt, (int)ldb, A, at,
+        (int)lda, f64 ? (const void *)&beta64 : (const void *)&beta32, C, ct, (int)ldc,
+        compute, CUBLAS_GEMM_DEFAULT);
+    return st == CUBLAS_STATUS_SUCCESS ? (int)COMERA_OK : (int)COMERA_ERR_CUBLAS;
+}
+
+inline int launched() {
+    return cudaGetLastError() == cudaSuccess ? (int)COMERA_OK : (int)COMERA_ERR_CUDA;
+}
+
+// A byte arena over the caller's workspace: hands out 256-byte aligned
+// pieces in order (or, with base == nullptr, just counts the bytes).
+struct Arena {
+    char *base;
+    size_t used;
+    template <typename U> U *take(int64_t count) {
+        size_t off = (used + 255) & ~(size_t)255;
+        used = off + sizeof(U) * (size_t)(count > 0 ? count : 0);
+        return base ? (U *)(base + off) : nullptr;
+    }
+};
+
+}  // namespace comera_cuda
+
+#endif

@@ -1,0 +1,101 @@
+/* CUDA launchers: C ABI (DESIGN.md section 5).
+ *
+ * Plain declarations, no torch and no CUDA headers needed to include this:
+ * the stream and the cuBLAS handle are opaque pointers here (the same
+ * typedefs as cuda_runtime_api.h and cublas_api.h, which may be included
+ * before or after).  The torch glue (csrc/torch/cuda) passes in the current
+ * stream, torch's cuBLAS handle, and a device workspace that it allocated
+ * from the caching allocator, so nothing here allocates, frees or waits for
+ * the device: every launcher only enqueues work on `stream` and can be
+ * captured into a CUDA graph.
+ *
+ * Element types: COMERA_DT_* below.  Reduced precision (bfloat16, float16)
+ * reads and writes its own type and accumulates in float32; float32
+ * accumulates in float32, float64 in float64.
+ */
+#ifndef COMERA_CUDA_H
+#define COMERA_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comera/tt_linear.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st *cudaStream_t;
+typedef struct cublasContext *cublasHandle_t;
+
+enum {
+    COMERA_DT_F32 = 0,
+    COMERA_DT_F64 = 1,
+    COMERA_DT_BF16 = 2,
+    COMERA_DT_F16 = 3
+};
+
+/* Errors beyond those of tt_linear.h. */
+enum {
+    COMERA_ERR_CUDA = -10,      /* a kernel launch or copy failed to enqueue */
+    COMERA_ERR_CUBLAS = -11,    /* a cuBLAS call returned an error */
+    COMERA_ERR_WORKSPACE = -12, /* the workspace passed in is too small */
+    COMERA_ERR_TOO_BIG = -13    /* a product dimension exceeds cuBLAS's int range */
+};
+
+/* ---- TT linear (merge path) ---------------------------------------------
+ *
+ * Same descriptor, arguments and results as comera_tt_linear_fwd/bwd_* in
+ * tt_linear.h, with device pointers.  `cores` and `gates` are host arrays of
+ * device pointers.  `path` is accepted (0 auto, 1 merge, 2 sequential) and
+ * validated, but on the GPU every path runs the merge algorithm: its batch
+ * work is four large GEMMs on tensor cores, while the sequential path is a
+ * chain of batched small products that cuBLAS runs far below peak, and for
+ * tiny batches both are bound by launch latency, where merge issues fewer
+ * kernels (see docs in csrc/cuda/tt_linear.cu).
+ *
+ * comera_tt_linear_cuda_workspace gives the bytes of workspace that the
+ * forward (backward != 0: the backward) needs for `batch` rows. */
+int comera_tt_linear_cuda_workspace(const comera_tt_linear_desc *d, int64_t batch,
+                                    int dtype, int has_bias, int backward,
+                                    size_t *bytes);
+
+int comera_tt_linear_fwd_cuda(const comera_tt_linear_desc *d, int path, int dtype,
+                              int64_t batch, const void *x,
+                              const void *const *cores, const void *const *gates,
+                              const void *bias, void *y, void *t,
+                              void *workspace, size_t workspace_bytes,
+                              cublasHandle_t handle, cudaStream_t stream);
+
+/* dx may be NULL (not needed), dbias NULL when the layer has no bias.  All
+ * outputs are overwritten. */
+int comera_tt_linear_bwd_cuda(const comera_tt_linear_desc *d, int path, int dtype,
+                              int64_t batch, const void *dy, const void *x,
+                              const void *t, const void *const *cores,
+                              const void *const *gates, void *dx,
+                              void *const *dcores, void *const *dgates, void *dbias,
+                              void *workspace, size_t workspace_bytes,
+                              cublasHandle_t handle, cudaStream_t stream);
+
+/* ---- gate proximal step (comera::gate_prox_) -----------------------------
+ *
+ * The rule of comera_gate_prox_f32/f64 (comera/rank_adaptive.h) on device
+ * data, all gates of one dtype.  `table` is a device array of 3 * num_gates
+ * int64: the gates' device pointers, then the int8 sign vectors' device
+ * pointers, then the sizes.  `live` (device, num_gates int64) receives each
+ * gate's live count, -1 for a gate holding a NaN (then nothing changes).
+ * threshold < 0 disables the dead zone; NaN is an argument error. */
+int comera_gate_prox_cuda(int dtype, int64_t num_gates, const int64_t *table, double threshold,
+                          int64_t min_live, int kill, int64_t *live, cudaStream_t stream);
+
+/* ---- gate soft threshold --------------------------------------------------
+ *
+ * g = sign(g) * max(|g| - threshold, 0) over n elements in place; exact
+ * zeros stay zero, NaN stays NaN.  threshold >= 0. */
+int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double threshold,
+                                    cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
