@@ -19,7 +19,8 @@ from torch import nn
 
 import comera
 from comera import tt
-from common import (copy_bandwidth, keep_freed_memory, machine_info, max_rss_bytes, peak_memory_subprocess,
+from common import (copy_bandwidth, keep_freed_memory, machine_info, peak_memory_subprocess, peak_rss_bytes,
+                    reset_peak_rss, rss_bytes,
                     sgemm_flops, time_fn, write_results)
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
@@ -65,9 +66,10 @@ def memory_case(case):
     module = build(case["method"], case["in"], case["out"], case["rank"])
     x = torch.randn(ROWS, case["in"], requires_grad=True)
     gy = torch.randn(ROWS, case["out"])
-    base = max_rss_bytes()
+    reset_peak_rss()
+    base = rss_bytes()
     step_fn(module, x, gy)()
-    print(max(0, max_rss_bytes() - base))
+    print(max(0, peak_rss_bytes() - base))
 
 
 def main():

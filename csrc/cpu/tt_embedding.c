@@ -4,6 +4,7 @@
 #include "tt_embedding_shape.h"
 #include "comera/gemm.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -226,6 +227,36 @@ int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b
     rows->count = u;
     rows->sorted = 1;
     return COMERA_OK;
+}
+
+/* ------------------------------------------------------------ workspace */
+
+static atomic_flag ws_busy = ATOMIC_FLAG_INIT;
+static void *ws_block;
+static size_t ws_bytes;
+
+void *comera_emb_ws_acquire(size_t bytes, int *cached) {
+    if (!atomic_flag_test_and_set_explicit(&ws_busy, memory_order_acquire)) {
+        if (ws_bytes < bytes) {
+            free(ws_block);
+            ws_block = malloc(bytes);
+            ws_bytes = ws_block ? bytes : 0;
+        }
+        if (ws_block) {
+            *cached = 1;
+            return ws_block;
+        }
+        atomic_flag_clear_explicit(&ws_busy, memory_order_release);
+    }
+    *cached = 0;
+    return malloc(bytes);
+}
+
+void comera_emb_ws_release(void *block, int cached) {
+    if (cached)
+        atomic_flag_clear_explicit(&ws_busy, memory_order_release);
+    else
+        free(block);
 }
 
 /* -------------------------------------------------------------- planner */

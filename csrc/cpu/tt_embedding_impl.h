@@ -192,7 +192,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
-    REAL *pf = malloc(sizeof(REAL) * (size_t)(s->pf_off[d] > 0 ? s->pf_off[d] : 1));
+    int cached = 0;
+    REAL *pf = comera_emb_ws_acquire(sizeof(REAL) * (size_t)(s->pf_off[d] + 1), &cached);
     REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
     REAL *rowbuf = bag ? malloc(sizeof(REAL) * (size_t)(rows.count * dp + 1)) : NULL;
     int64_t *uid = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
@@ -254,7 +255,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         }
     }
 done:
-    free(eff); free(pf); free(ws); free(rowbuf); free(uid);
+    if (pf) comera_emb_ws_release(pf, cached);
+    free(eff); free(ws); free(rowbuf); free(uid);
     comera_emb_rows_free(&rows);
     return rc;
 }
@@ -293,10 +295,15 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 1) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
-    REAL *pf = malloc(sizeof(REAL) * (size_t)(s->pf_off[d] > 0 ? s->pf_off[d] : 1));
-    REAL *pb = malloc(sizeof(REAL) * (size_t)(s->pb_off[d] > 0 ? s->pb_off[d] : 1));
+    /* packed slices and the private gradient copies share one reused block */
+    int cached = 0;
+    int64_t npriv = nc * (nt - 1);
+    REAL *pf = comera_emb_ws_acquire(
+        sizeof(REAL) * (size_t)(s->pf_off[d] + s->pb_off[d] + npriv + 1), &cached);
+    REAL *pb = pf ? pf + s->pf_off[d] : NULL;
+    REAL *priv = pf && nt > 1 ? pb + s->pb_off[d] : NULL;
+    if (priv) memset(priv, 0, sizeof(REAL) * (size_t)npriv);
     REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
-    REAL *priv = nt > 1 ? calloc((size_t)(nc * (nt - 1)), sizeof(REAL)) : NULL;
     int64_t *bag_of = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
     REAL *scale = bag ? malloc(sizeof(REAL) * (size_t)(used + 1)) : NULL;
     if (!eff || !pf || !pb || !ws || (nt > 1 && !priv) || (bag && (!bag_of || !scale))) {
@@ -356,7 +363,8 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         }
     FN(emb_finish_grads)(s, cores, gates, dcores, dgates);
 done:
-    free(eff); free(pf); free(pb); free(ws); free(priv); free(bag_of); free(scale);
+    if (pf) comera_emb_ws_release(pf, cached);
+    free(eff); free(ws); free(bag_of); free(scale);
     comera_emb_rows_free(&rows);
     return rc;
 }

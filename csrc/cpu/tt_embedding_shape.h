@@ -5,6 +5,8 @@
 #ifndef COMERA_TT_EMBEDDING_SHAPE_H
 #define COMERA_TT_EMBEDDING_SHAPE_H
 
+#include <stddef.h>
+
 #include "comera/tt_embedding.h"
 
 typedef struct emb_shape {
@@ -48,6 +50,15 @@ typedef struct emb_rows {
 int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b,
                           int dedup, emb_rows *rows);
 void comera_emb_rows_free(emb_rows *rows);
+
+/* The packed cores (and per-thread gradient copies) are about twice the
+ * cores' size and are needed on every call.  Fresh pages from the system
+ * cost more than filling them (page faults, zeroing, unmapping: several ms
+ * for a 1M-row table), so one grow-only block is kept and reused; a call
+ * that finds it in use (concurrent calls) allocates its own.  *cached
+ * tells comera_emb_ws_release which case it was. */
+void *comera_emb_ws_acquire(size_t bytes, int *cached);
+void comera_emb_ws_release(void *block, int cached);
 
 /* Resolves COMERA_REUSE_AUTO; returns -1 for an unknown value. */
 int comera_emb_resolve_reuse(const emb_shape *s, int reuse);

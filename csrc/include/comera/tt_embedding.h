@@ -43,6 +43,11 @@
  * Rows equal to padding_idx read as zero and give no gradient; in bags they
  * are left out of the bag (and of the count for the mean), as
  * nn.EmbeddingBag does.
+ *
+ * Memory: the packed core slices (about twice the cores) live in one
+ * process-wide block that is kept between calls and grows to the largest
+ * table seen, because fresh pages cost more than packing them; concurrent
+ * calls that find it in use allocate their own.
  */
 #ifndef COMERA_TT_EMBEDDING_H
 #define COMERA_TT_EMBEDDING_H
