@@ -146,11 +146,13 @@ def test_time_bounded_counts_reps_and_respects_budget():
 
 
 def test_case_subprocess_runs_a_linear_case_in_a_fresh_process():
-    res = common.case_subprocess("bench_peers", {"kind": "linear", "method": "comera.TTLinear",
-                                                 "in": 64, "out": 64, "rank": 4, "rows": 32,
+    res = common.case_subprocess("bench_peers", {"kind": "linear_ranks", "method": "nn.Linear",
+                                                 "in": 512, "out": 1024, "ranks": [0], "rows": 2048,
                                                  "budget_s": 0.5}, timeout=300)
-    assert res["method"] == "comera.TTLinear" and res["params"] > 0
-    assert res["wall_s"] > 0 and res["peak_bytes"] >= 0
+    assert len(res) == 1 and res[0]["method"] == "nn.Linear" and res[0]["params"] == 512 * 1024 + 1024
+    assert res[0]["wall_s"] > 0 and res[0]["cpu_s"] > 0
+    # the step allocates at least its 8 MB output and 4 MB input gradient
+    assert res[0]["peak_bytes"] >= 12 << 20
 
 
 # ------------------------------------------------------ scripts, --quick
