@@ -18,7 +18,7 @@ $(VPY):
 
 $(STAMP): $(VPY) setup.py pyproject.toml $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*/*.h csrc/torch/*.cpp csrc/cuda/*.cu)
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q --no-build-isolation -e ".[test,train]"
+	$(PIP) install -q --no-build-isolation -e ".[test,train,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -16,8 +16,10 @@ transformer at batch 1, 8 and 32 (sequence 128): dense AdamW, GaLore
     python benchmarks/bench_peers.py --part linear
     python benchmarks/bench_peers.py --quick       # tiny sizes, in-process, seconds
 
-Each case runs in a fresh subprocess (its own memory high-water mark);
---in-process runs them in this process instead (peak reset per case).
+Each training-step case, and each (layer method, shape) over all ranks, runs
+in a fresh subprocess; the memory high-water mark is reset before each
+measurement (after returning freed memory to the OS).  --in-process runs
+everything in this process instead.
 Writes benchmarks/results/peers_cpu.{json,md} (peers_cpu_quick.* with
 --quick) and PNG plots next to them.
 """
@@ -56,14 +58,25 @@ def linear_case(case):
     reset_peak_rss()
     timing = time_bounded(step, reps=case.get("reps", 5), budget_s=case.get("budget_s", 10.0))
     return {"method": case["method"], "in": case["in"], "out": case["out"], "rank": case["rank"],
-            "rows": case["rows"], "params": num_params(module), "time_s": timing["median_s"],
-            "reps": timing["reps"], "first_s": timing["first_s"],
+            "rows": case["rows"], "params": num_params(module), "wall_s": timing["median_s"],
+            "cpu_s": timing["cpu_median_s"], "reps": timing["reps"], "first_wall_s": timing["first_s"],
+            "first_cpu_s": timing["first_cpu_s"],
             "peak_bytes": max(0, peak_rss_bytes() - base)}
+
+
+def linear_ranks_case(case):
+    """linear_case at each of case["ranks"] in turn (one process per method
+    and shape: a fresh interpreter per rank would cost more than the
+    measurements on a loaded machine); the peak is reset before each rank."""
+    return [linear_case(dict(case, rank=r)) for r in case["ranks"]]
+
+
+CASE_KINDS = {"linear": linear_case, "linear_ranks": linear_ranks_case, "step": run_step_case}
 
 
 def run_one(case, in_process):
     if in_process:
-        return linear_case(case) if case["kind"] == "linear" else run_step_case(case)
+        return CASE_KINDS[case["kind"]](case)
     return case_subprocess("bench_peers", case)
 
 
@@ -73,16 +86,20 @@ def linear_part(args):
     rows = 256 if args.quick else ROWS
     out = []
     for in_f, out_f in shapes:
-        dense = run_one({"kind": "linear", "method": "nn.Linear", "in": in_f, "out": out_f,
-                         "rank": 0, "rows": rows, "budget_s": args.budget}, args.in_process)
+        by_method = {}
+        for method in LINEAR_METHODS:
+            method_ranks = [0] if method == "nn.Linear" else ranks
+            res = run_one({"kind": "linear_ranks", "method": method, "in": in_f, "out": out_f,
+                           "ranks": method_ranks, "rows": rows, "budget_s": args.budget},
+                          args.in_process)
+            by_method[method] = {r: m for r, m in zip(method_ranks, res)}
         for rank in ranks:
             res = {"in": in_f, "out": out_f, "rank": rank, "rows": rows, "methods": {}}
             for method in LINEAR_METHODS:
-                m = dense if method == "nn.Linear" else run_one(
-                    {"kind": "linear", "method": method, "in": in_f, "out": out_f, "rank": rank,
-                     "rows": rows, "budget_s": args.budget}, args.in_process)
-                res["methods"][method] = {k: m[k] for k in ("params", "time_s", "reps", "first_s",
-                                                            "peak_bytes")}
+                m = by_method[method][0 if method == "nn.Linear" else rank]
+                m = dict(m, time_s=m[args.clock + "_s"], first_s=m["first_" + args.clock + "_s"])
+                res["methods"][method] = {k: m[k] for k in ("params", "time_s", "first_s", "wall_s",
+                                                            "cpu_s", "reps", "peak_bytes")}
             t_tt = res["methods"]["comera.TTLinear"]["time_s"]
             res["comera_speedup"] = {k: v["time_s"] / t_tt for k, v in res["methods"].items()
                                      if k != "comera.TTLinear"}
@@ -103,6 +120,8 @@ def transformer_part(args):
                 {"kind": "step", "method": method, "preset": preset, "batch": batch, "rank": 30,
                  "reps": args.step_reps, "budget_s": args.budget}, args.in_process)
         m = row["methods"]
+        for v in m.values():
+            v["step_s"], v["first_step_s"] = v[f"step_{args.clock}_s"], v[f"first_step_{args.clock}_s"]
         row["comera_step_speedup"] = {k: m[k]["step_s"] / m["comera"]["step_s"]
                                       for k in m if k != "comera"}
         row["comera_memory_reduction"] = {k: m[k]["peak_bytes"] / max(1, m["comera"]["peak_bytes"])
@@ -121,11 +140,25 @@ def _ms(s, reps=None):
     return text + ("*" if reps == 0 else "")
 
 
+CLOCKS = {"wall": "wall-clock", "cpu": "process CPU time (all threads)"}
+
+
+def reproduce_flags(args):
+    flags = ["--quick"] if args.quick else []
+    if args.part != "all":
+        flags.append(f"--part {args.part}")
+    flags += [f"--threads {args.threads}", f"--clock {args.clock}", f"--budget {args.budget:g}",
+              f"--step-reps {args.step_reps}"]
+    return " ".join(flags)
+
+
 def markdown(payload, args):
     md = ["# comera against its peers (CPU, float32)\n",
           f"Machine: {payload['machine']['processor']}, {payload['machine']['threads']} threads, "
-          f"torch {payload['machine']['torch']}, {payload['machine']['date']}. Freed memory stays "
-          "in the heap for every method (mallopt, as with jemalloc/tcmalloc).\n"]
+          f"torch {payload['machine']['torch']}, {payload['machine']['date']}, 1-minute load average "
+          f"{payload['loadavg_before_after'][0]:.1f} before / {payload['loadavg_before_after'][1]:.1f} "
+          f"after the run (other jobs shared the machine). Times are {CLOCKS[payload['clock']]}. Freed "
+          "memory stays in the heap for every method (mallopt, as with jemalloc/tcmalloc).\n"]
     if payload["linear"]:
         md += ["## TT linear layer, forward + backward\n",
                f"{payload['linear'][0]['rows']} rows. Time in ms (median; * = one call only, the "
@@ -165,8 +198,7 @@ def markdown(payload, args):
                 md.append(f"| {r['batch']} | {meth} | {_ms(m['step_s'])} | {_ms(m['first_step_s'])} | "
                           f"{_mb(m['peak_bytes'])} | {m['param_count']:,} | "
                           f"{_mb(m['optimizer_state_bytes'])} | {sp} | {mr} |")
-    md.append("\nReproduce: `python benchmarks/bench_peers.py" + (" --quick" if args.quick else "") +
-              (f" --part {args.part}" if args.part != "all" else "") + "`.\n")
+    md.append(f"\nReproduce: `python benchmarks/bench_peers.py {reproduce_flags(args)}`.\n")
     return "\n".join(md) + "\n"
 
 
@@ -199,6 +231,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes, in this process (smoke test)")
     ap.add_argument("--part", choices=["all", "linear", "transformer"], default="all")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="which time the tables and ratios use (both are in the JSON); on a "
+                         "machine shared with other jobs, --threads 1 --clock cpu is the stable one")
     ap.add_argument("--budget", type=float, default=None, help="seconds of timing per case")
     ap.add_argument("--step-reps", type=int, default=3)
     ap.add_argument("--in-process", action="store_true")
@@ -209,15 +244,21 @@ def main(argv=None):
     heap_cache = keep_freed_memory()
     if args.case:
         case = json.loads(args.case)
-        print(json.dumps(linear_case(case) if case["kind"] == "linear" else run_step_case(case)))
+        print(json.dumps(CASE_KINDS[case["kind"]](case)))
         return None
     args.in_process = args.in_process or args.quick
+    if args.in_process:  # one-time lazy initialisation is not any method's memory
+        linear_case({"method": "nn.Linear", "in": 64, "out": 64, "rank": 0, "rows": 8, "budget_s": 0})
+        run_step_case({"method": "dense AdamW", "preset": "tiny", "batch": 1, "reps": 1, "budget_s": 0})
     if args.budget is None:
         args.budget = 2.0 if args.quick else 10.0
+    load_before = os.getloadavg()
     payload = {"machine": machine_info(), "glibc_keep_freed_memory": heap_cache, "dtype": "float32",
+               "clock": args.clock,
                "linear": linear_part(args) if args.part in ("all", "linear") else [],
                "transformer": transformer_part(args) if args.part in ("all", "transformer") else []}
     from encoder import PRESETS
+    payload["loadavg_before_after"] = [load_before[0], os.getloadavg()[0]]
     payload["transformer_preset"] = "tiny" if args.quick else "paper"
     payload["transformer_config"] = PRESETS[payload["transformer_preset"]].as_dict()
     name = "peers_cpu" + ("_quick" if args.quick else "") + ("" if args.part == "all" else "_" + args.part)

@@ -5,7 +5,7 @@ GELU FFN), and a classifier head on the first token.
 
 Every linear inside the encoder is an nn.Linear and the word embedding is an
 nn.Embedding, so turning the model into a TT model is a module swap
-(`to_comera`); the classifier head stays dense.
+(`to_comera`, which calls comera.convert); the classifier head stays dense.
 
 Example:
     >>> import torch
@@ -34,6 +34,7 @@ class EncoderConfig:
     seq: int
     classes: int
     dropout: float = 0.0
+    pool: str = "cls"  # "cls": the first token; "mean": the mean over non-padding tokens
 
     def as_dict(self):
         return asdict(self)
@@ -95,7 +96,11 @@ class EncoderClassifier(nn.Module):
         x = self.drop(x)
         for layer in self.layers:
             x = layer(x, key_padding)
-        return self.head(self.norm(x[:, 0]))
+        x = self.norm(x)
+        if self.cfg.pool == "cls":
+            return self.head(x[:, 0])
+        keep = torch.ones_like(ids, dtype=x.dtype) if key_padding is None else (~key_padding).to(x.dtype)
+        return self.head((x * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1.0))
 
 
 def encoder_linear_names(model: EncoderClassifier):
@@ -104,38 +109,23 @@ def encoder_linear_names(model: EncoderClassifier):
             for n in ("q", "k", "v", "o", "ffn1", "ffn2")]
 
 
-def _set(model, name, module):
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def to_comera(model: EncoderClassifier, rank: int, *, embedding: bool = True, init: str = "random"):
-    """Swaps every encoder nn.Linear (and the word embedding, when comera has
-    TTEmbedding and `embedding` is set) for its TT counterpart of `rank`, in
-    place; returns the model.  init "svd" starts from the dense weights
-    (TT-SVD), "random" from comera's variance-matched random init."""
-    for name in encoder_linear_names(model):
-        lin = model.get_submodule(name)
-        if init == "svd":
-            new = comera.TTLinear.from_dense(lin, rank=rank)
-        else:
-            new = comera.TTLinear(lin.in_features, lin.out_features, rank=rank)
-        _set(model, name, new)
-    if embedding and hasattr(comera, "TTEmbedding"):
-        emb = model.word
-        if init == "svd":
-            model.word = comera.TTEmbedding.from_dense(emb, rank=rank)
-        else:
-            model.word = comera.TTEmbedding(emb.num_embeddings, emb.embedding_dim, rank=rank)
-    return model
+    """comera.convert on the encoder: every encoder nn.Linear (and the word
+    embedding when `embedding`) becomes a TT layer of `rank`, in place; the
+    position/segment embeddings and the classifier head stay dense.  Returns
+    the model."""
+    include = ["layers.*"] + (["word"] if embedding else [])
+    return comera.convert(model, rank=rank, include=include, embeddings=embedding, init=init)
 
 
-def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0):
-    """The dense model (`method` "dense") or its comera version ("comera")."""
+def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0,
+                embedding: bool = True):
+    """The dense model (`method` "dense") or its comera version ("comera"; the
+    word embedding too when `embedding`)."""
     torch.manual_seed(seed)
     model = EncoderClassifier(cfg)
     if method == "comera":
-        to_comera(model, rank)
+        to_comera(model, rank, embedding=embedding)
     elif method != "dense":
         raise ValueError(f"method must be 'dense' or 'comera', got {method!r}")
     return model

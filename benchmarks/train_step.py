@@ -19,8 +19,8 @@ workspace (GaLore's SVDs included: its first step computes them).
 Example:
     >>> res = run_case({"method": "comera", "preset": "tiny", "batch": 2, "rank": 4,
     ...                 "reps": 1, "budget_s": 5})
-    >>> sorted(res)[:3]
-    ['batch', 'first_step_s', 'method']
+    >>> res["method"], res["batch"], res["reps"]
+    ('comera', 2, 1)
 """
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,8 @@ def run_case(case):
     release_freed_memory()
     base = rss_bytes()
     model = build_model(cfg, "comera" if method == "comera" else "dense", rank=case.get("rank", 30))
+    if case.get("state_path"):  # a pruned comera model: load its (smaller) ranks and weights
+        comera.load_state_dict(model, torch.load(case["state_path"]))
     model.train()
     opt = make_optimizer(method, model)
     ra = make_rank_adaptive(model) if method == "comera" else None
@@ -108,9 +110,11 @@ def run_case(case):
     params = list(model.parameters())
     return {
         "method": method, "preset": case["preset"], "batch": batch, "seq": cfg.seq,
-        "step_s": timing["median_s"], "first_step_s": timing["first_s"], "reps": timing["reps"],
+        "step_wall_s": timing["median_s"], "step_cpu_s": timing["cpu_median_s"],
+        "first_step_wall_s": timing["first_s"], "first_step_cpu_s": timing["first_cpu_s"],
+        "reps": timing["reps"], "threads": torch.get_num_threads(),
         "peak_bytes": peak, "peak_reset_ok": peak_reset,
         "param_count": sum(p.numel() for p in params), "param_bytes": tensor_bytes(params),
         "optimizer_state_bytes": optimizer_state_bytes(opt),
-        "rank_adaptive": ra is not None,
+        "rank_adaptive": ra is not None, "pruned_from": case.get("state_path"),
     }

@@ -1,0 +1,207 @@
+"""Smoke tests of the benchmark scripts (--quick: tiny sizes, in-process) and
+unit tests of the pieces they rely on: the paper-scheme peer layer, the
+code-docstring data set and the whole-process memory helpers.
+
+The scripts need the benchmark extra (``pip install -e ".[bench]"``)."""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import code_docstring  # noqa: E402
+import common  # noqa: E402
+import comera  # noqa: E402
+from peers import PaperTTLinear, build_linear, LINEAR_METHODS  # noqa: E402
+
+
+def _read(out, name):
+    with open(os.path.join(out, name + ".json")) as f:
+        payload = json.load(f)
+    with open(os.path.join(out, name + ".md")) as f:
+        md = f.read()
+    return payload, md
+
+
+def _pngs_exist(out, payload):
+    assert payload["plots"], "no plot written"
+    for png in payload["plots"]:
+        path = os.path.join(out, png)
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+
+
+# ------------------------------------------------------------ peer layers
+def test_paper_scheme_matches_dense_reference_and_gradcheck():
+    torch.manual_seed(0)
+    tt = comera.TTLinear(24, 20, rank=3, dtype=torch.float64)
+    paper = PaperTTLinear.from_ttlinear(tt)
+    x = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
+    # independent reference: dense weight rebuilt from the cores, plain autograd
+    ref = x @ tt.weight.t() + tt.bias
+    torch.testing.assert_close(paper(x), ref)
+    params = list(paper.parameters())
+    assert torch.autograd.gradcheck(lambda x, *ps: paper(x), (x, *params))
+    # the custom backward gives the same core/gate/bias grads as autograd on the reference
+    g = torch.randn(5, 20, dtype=torch.float64)
+    paper(x).backward(g)
+    ref_grads = torch.autograd.grad(ref, list(tt.cores) + list(tt.gates) + [tt.bias], g)
+    for p, r in zip(list(paper.cores) + list(paper.gates) + [paper.bias], ref_grads):
+        torch.testing.assert_close(p.grad, r)
+
+
+@pytest.mark.parametrize("method", LINEAR_METHODS)
+def test_every_peer_computes_a_linear_map_of_the_right_shape(method):
+    layer = build_linear(method, 64, 48, rank=4)
+    x = torch.randn(3, 64)
+    y = layer(x)
+    assert y.shape == (3, 48)
+    # linear in x up to the bias: f(2x) - f(x) == f(x) - f(0)
+    z = torch.zeros(1, 64)
+    torch.testing.assert_close(layer(2 * x) - y, y - layer(z), atol=1e-4, rtol=1e-4)
+
+
+def test_build_linear_rejects_unknown_method():
+    with pytest.raises(ValueError, match="method must be one of"):
+        build_linear("nope", 8, 8, 2)
+
+
+# --------------------------------------------------------------- data set
+def test_tokens_split_identifiers_and_punctuation():
+    assert code_docstring.tokens("HTTPServer.get_item(x2)") == [
+        "http", "server", ".", "get", "item", "(", "x", "2", ")"]
+
+
+def test_make_pairs_half_true_half_mismatched_and_no_self_match():
+    funcs = [(f"doc {i} words here", f"body_{i} = {i}") for i in range(11)]
+    pairs = code_docstring.make_pairs(funcs, seed=3)
+    assert len(pairs) == 11 and sum(p[2] for p in pairs) == 5
+    own = dict(funcs)
+    for doc, body, label in pairs:
+        assert (own[doc] == body) == (label == 1)
+    negatives = [body for _, body, label in pairs if label == 0]
+    assert len(set(negatives)) == len(negatives)  # no body reused
+
+
+def test_functions_in_file_extracts_doc_and_body_without_docstring(tmp_path):
+    src = ('def area(w, h):\n    """Return the area of a rectangle.\n\n    More text."""\n'
+           '    check(w, h)\n    return w * h  # product of the sides\n\n'
+           'def nodoc(a):\n    x = a\n    return x\n')
+    path = tmp_path / "m.py"
+    path.write_text(src)
+    assert code_docstring.functions_in_file(str(path)) == [
+        ("Return the area of a rectangle.", "check(w, h)\nreturn w * h  # product of the sides")]
+
+
+def test_load_splits_by_file_and_encodes(tmp_path):
+    data = code_docstring.load(300, 24, max_files=120, cache_dir=str(tmp_path))
+    tr, te = data["train"], data["test"]
+    assert tr["ids"].shape[1] == 24 and tr["ids"].max() < 300
+    assert (tr["ids"][:, 0] == code_docstring.CLS).all()
+    assert abs(data["stats"]["train_positive_fraction"] - 0.5) < 0.01
+    assert (te["padding"] == (te["ids"] == code_docstring.PAD)).all()
+    # the cache returns the same tensors
+    again = code_docstring.load(300, 24, max_files=120, cache_dir=str(tmp_path))
+    assert torch.equal(again["train"]["ids"], tr["ids"])
+
+
+def test_collect_never_puts_one_file_in_both_splits(tmp_path):
+    for i in range(30):  # two documented functions per file
+        (tmp_path / f"f{i}.py").write_text("".join(
+            f'def g{i}_{j}(a):\n    """Compute value {j} of file {i} please."""\n'
+            f'    b = a + {i} * {j}\n    return b * {i} + 1234567 - {j} * 7654321\n\n'
+            for j in range(2)))
+    train, test = code_docstring.collect([str(tmp_path)], max_files=100)
+    assert train and test and len(train) + len(test) == 60
+    file_of = lambda doc: doc.split("file ")[1].split()[0]
+    train_files, test_files = {file_of(d) for d, _ in train}, {file_of(d) for d, _ in test}
+    assert not train_files & test_files
+    assert len(train) == 2 * len(train_files) and len(test) == 2 * len(test_files)
+
+
+# ---------------------------------------------------------- memory helpers
+def test_peak_rss_sees_a_large_allocation_after_reset():
+    common.release_freed_memory()
+    base = common.rss_bytes()
+    assert common.reset_peak_rss()
+    t = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MB, touched
+    grown = common.peak_rss_bytes() - base
+    del t
+    assert grown >= 60 << 20
+
+
+def test_time_bounded_counts_reps_and_respects_budget():
+    calls = []
+    res = common.time_bounded(lambda: calls.append(1), reps=4, budget_s=10.0)
+    assert res["reps"] == 4 and len(calls) == 5
+    slow = common.time_bounded(lambda: sum(range(200000)), reps=4, budget_s=0.0)
+    assert slow["reps"] == 0 and slow["median_s"] == slow["first_s"]
+    forced = common.time_bounded(lambda: None, reps=3, budget_s=0.0, min_reps=2)
+    assert forced["reps"] == 2
+
+
+def test_case_subprocess_runs_a_linear_case_in_a_fresh_process():
+    res = common.case_subprocess("bench_peers", {"kind": "linear_ranks", "method": "nn.Linear",
+                                                 "in": 512, "out": 1024, "ranks": [0], "rows": 2048,
+                                                 "budget_s": 0.5}, timeout=300)
+    assert len(res) == 1 and res[0]["method"] == "nn.Linear" and res[0]["params"] == 512 * 1024 + 1024
+    assert res[0]["wall_s"] > 0 and res[0]["cpu_s"] > 0
+    # the step allocates at least its 8 MB output and 4 MB input gradient
+    assert res[0]["peak_bytes"] >= 12 << 20
+
+
+# ------------------------------------------------------ scripts, --quick
+def test_bench_peers_quick(tmp_path):
+    import bench_peers
+    bench_peers.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    payload, md = _read(str(tmp_path), "peers_cpu_quick")
+    lin = payload["linear"][0]
+    assert set(lin["methods"]) == set(LINEAR_METHODS)
+    for m in lin["methods"].values():
+        assert m["time_s"] > 0 and m["peak_bytes"] >= 0 and m["params"] > 0
+    assert set(lin["comera_speedup"]) == set(LINEAR_METHODS) - {"comera.TTLinear"}
+    steps = payload["transformer"]
+    assert [r["batch"] for r in steps] == [1, 2]
+    for r in steps:
+        assert set(r["methods"]) == {"dense AdamW", "GaLore AdamW", "comera"}
+        assert r["methods"]["GaLore AdamW"]["optimizer_state_bytes"] > 0
+        assert all(v["step_s"] > 0 for v in r["methods"].values())
+    assert "| in -> out | rank |" in md and "GaLore AdamW" in md and "Reproduce" in md
+    _pngs_exist(str(tmp_path), payload)
+
+
+def test_bench_transformer_quick(tmp_path):
+    import bench_transformer
+    p = bench_transformer.main(["--quick", "--threads", "1", "--out", str(tmp_path),
+                                "--cache-dir", str(tmp_path / "cache")])
+    payload, md = _read(str(tmp_path), "transformer_cpu_quick")
+    assert payload["size"]["dense_params"] > 0 and payload["size"]["comera_params"] > 0
+    stages = [r["stage"] for r in payload["rank_adaptive"]]
+    assert stages == ["start (rank 30)", "after stage 1", "after stage 2"]
+    last = payload["rank_adaptive"][-1]
+    assert last["reached_target"] and last["tt_layer_compression"] >= 80.0 * 0.97
+    methods = set(payload["steps"][0]["methods"])
+    assert methods == {"dense AdamW", "comera", "comera pruned to 80x"}
+    assert "## Training step" in md and "Reproduce" in md
+    _pngs_exist(str(tmp_path), payload)
+    assert p["preset"] == "tiny"
+
+
+def test_bench_accuracy_quick(tmp_path):
+    import bench_accuracy
+    bench_accuracy.main(["--quick", "--threads", "1", "--out", str(tmp_path),
+                         "--cache-dir", str(tmp_path / "cache")])
+    payload, md = _read(str(tmp_path), "accuracy_cpu_quick")
+    runs = payload["runs"]
+    assert [r["method"] for r in runs] == ["dense", "comera stage 1", "comera", "comera"]
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in runs)
+    assert all(math.isfinite(r["train_loss"]) for r in runs)
+    for r in runs[2:]:
+        assert r["reached_target"] and r["compression"] >= r["target"] * 0.97
+    assert "| run | encoder compression |" in md
+    _pngs_exist(str(tmp_path), payload)
