@@ -113,9 +113,11 @@ def to_comera(model: EncoderClassifier, rank: int, *, embedding: bool = True, in
     """comera.convert on the encoder: every encoder nn.Linear (and the word
     embedding when `embedding`) becomes a TT layer of `rank`, in place; the
     position/segment embeddings and the classifier head stay dense.  Returns
-    the model."""
+    the model.  Every matched layer is converted, even where rank `rank` does
+    not compress it (small presets), as the paper converts them all."""
     include = ["layers.*"] + (["word"] if embedding else [])
-    return comera.convert(model, rank=rank, include=include, embeddings=embedding, init=init)
+    return comera.convert(model, rank=rank, include=include, embeddings=embedding, init=init,
+                          min_compression=1e-9)
 
 
 def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0,
