@@ -29,6 +29,8 @@ from typing import List, Sequence, Tuple
 import torch
 
 PAD, UNK, CLS, SEP = 0, 1, 2, 3
+# Part of the cache keys: bump it when the pairs change (2: the body starts with its signature).
+FORMAT = 2
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 _WORD = re.compile(r"[A-Za-z]+|\d+|[^\sA-Za-z\d_]")
 _CAMEL = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
@@ -78,9 +80,15 @@ def functions_in_file(path: str, max_body_chars: int = 4000,
         doc = ast.get_docstring(node)
         if not doc or len(node.body) < 2:
             continue
+        if node.body[0].lineno == node.lineno:  # docstring on the def line
+            continue
         summary = _doc_summary(doc)
-        # whole lines from the first statement after the docstring to the end
-        body = textwrap.dedent("\n".join(lines[node.body[1].lineno - 1: node.end_lineno]))
+        # the code without its docstring, as in CodeSearchNet: the signature
+        # (the def line(s), without decorators), then whole lines from the
+        # first statement after the docstring to the end
+        signature = lines[node.lineno - 1: node.body[0].lineno - 1]
+        rest = lines[node.body[1].lineno - 1: node.end_lineno]
+        body = textwrap.dedent("\n".join(signature + rest))
         if len(summary.split()) < 3 or len(body) < 40 or len(body) > max_body_chars:
             continue
         out.append((summary, body))
@@ -171,14 +179,14 @@ def load(vocab_size: int, seq: int, *, max_files: int = 4000, doc_tokens: int = 
          max_train: int = None, max_test: int = None, seed: int = 0, cache_dir: str = None):
     """Encoded (train, test) sets and the stats of the build; cached as a
     torch file keyed by the arguments (building parses a few thousand files)."""
-    key = hashlib.sha1(repr((source_roots(), vocab_size, seq, max_files, doc_tokens, max_train,
+    key = hashlib.sha1(repr((FORMAT, source_roots(), vocab_size, seq, max_files, doc_tokens, max_train,
                              max_test, seed)).encode()).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "comera-bench")
     path = os.path.join(cache_dir, f"code_docstring_{key}.pt")
     if os.path.exists(path):
         return torch.load(path)
     # the parsed functions are cached on their own: other encodings reuse them
-    fkey = hashlib.sha1(repr((source_roots(), max_files, seed)).encode()).hexdigest()[:16]
+    fkey = hashlib.sha1(repr((FORMAT, source_roots(), max_files, seed)).encode()).hexdigest()[:16]
     fpath = os.path.join(cache_dir, f"functions_{fkey}.pt")
     if os.path.exists(fpath):
         train_f, test_f = torch.load(fpath)

@@ -89,13 +89,17 @@ def test_make_pairs_half_true_half_mismatched_and_no_self_match():
 
 
 def test_functions_in_file_extracts_doc_and_body_without_docstring(tmp_path):
-    src = ('def area(w, h):\n    """Return the area of a rectangle.\n\n    More text."""\n'
-           '    check(w, h)\n    return w * h  # product of the sides\n\n'
-           'def nodoc(a):\n    x = a\n    return x\n')
+    src = ('class Shape:\n    @property\n    def area(self, w,\n             h):\n'
+           '        """Return the area of a rectangle.\n\n        More text."""\n'
+           '        check(w, h)\n        return w * h  # product of the sides\n\n'
+           'def nodoc(a):\n    x = a\n    return x\n\n'
+           'def inline(a):  """Docstring on the def line is skipped."""; return a\n')
     path = tmp_path / "m.py"
     path.write_text(src)
+    # the signature (no decorator), then the body without the docstring
     assert code_docstring.functions_in_file(str(path)) == [
-        ("Return the area of a rectangle.", "check(w, h)\nreturn w * h  # product of the sides")]
+        ("Return the area of a rectangle.",
+         "def area(self, w,\n         h):\n    check(w, h)\n    return w * h  # product of the sides")]
 
 
 def test_load_splits_by_file_and_encodes(tmp_path):
