@@ -39,8 +39,12 @@ test-python: $(STAMP)
 test-c:
 	$(MAKE) -C tests/c test
 
+# ASan+UBSan and valgrind memcheck runs of the C tests, then the fuzz target
+# (tests/fuzz) under ASan+UBSan for at most FUZZ_SECONDS
+FUZZ_SECONDS ?= 30
 test-sanitize:
 	$(MAKE) -C tests/c test-sanitize
+	$(MAKE) -C tests/fuzz run FUZZ_SECONDS=$(FUZZ_SECONDS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_linear.py
@@ -61,4 +65,4 @@ venv-cuda:
 	.venv-cuda/bin/pip install -q pytest hypothesis numpy setuptools wheel
 
 clean:
-	rm -rf build *.egg-info comera/_C*.so tests/c/build tests/cuda_emu/build
+	rm -rf build *.egg-info comera/_C*.so tests/c/build tests/cuda_emu/build tests/fuzz/build

@@ -64,6 +64,10 @@ def _check_shape(shape, num_embeddings, embedding_dim):
     if len(rows) != len(dims) or not 2 <= len(rows) <= 16:
         raise ValueError(f"shape needs as many row modes as dim modes, 2 to 16 each, got "
                          f"{len(rows)} and {len(dims)}")
+    for name, modes in (("row_modes", rows), ("dim_modes", dims)):
+        if math.prod(modes) > tt.INT64_MAX:
+            raise ValueError(f"shape {name} {modes} have product {math.prod(modes)}, which "
+                             "overflows int64")
     if math.prod(rows) < num_embeddings:
         raise ValueError(f"shape row_modes {rows} have product {math.prod(rows)}, expected "
                          f">= num_embeddings={num_embeddings}")
@@ -134,8 +138,8 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         for name, val in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(val, bool) or not isinstance(val, int):
                 raise TypeError(f"{name} must be an int, got {type(val).__name__}")
-            if val < 1:
-                raise ValueError(f"{name} must be >= 1, got {val}")
+            if not 1 <= val <= tt.INT64_MAX:
+                raise ValueError(f"{name} must be in [1, 2**63 - 1], got {val}")
         if padding_idx is not None:
             if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
                 raise TypeError(f"padding_idx must be an int or None, got {type(padding_idx).__name__}")
@@ -158,6 +162,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         self.row_shape, self.dim_shape = _check_shape(shape, num_embeddings, embedding_dim)
         dims = [v * e for v, e in zip(self.row_shape, self.dim_shape)]
         ranks = tt.resolve_ranks(rank, dims)
+        self._check_fits(ranks)
         full = [1] + ranks + [1]
         # nn.Embedding draws N(0, 1) entries: match that variance
         std = tt.init_std(len(dims), ranks, 1.0)
@@ -167,6 +172,23 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                                      **factory) * std)
             for k in range(len(dims)))
         self.gates = nn.ParameterList(nn.Parameter(torch.ones(r, **factory)) for r in ranks)
+
+    def _check_fits(self, ranks):
+        """Sizes whose products overflow int64 are refused before the cores
+        are allocated, with the arguments named (the cores, then the C
+        kernels' own checks of every size they derive)."""
+        full = [1] + list(ranks) + [1]
+        tt.check_core_sizes("TTEmbedding", [(full[k], v, e, full[k + 1]) for k, (v, e) in
+                                            enumerate(zip(self.row_shape, self.dim_shape))],
+                            "shape and rank")
+        try:
+            torch.ops.comera.tt_embedding_plan(
+                torch.empty(0, dtype=torch.int64), None, list(self.row_shape),
+                list(self.dim_shape), full, self.num_embeddings, self.embedding_dim, -1, 0)
+        except (ValueError, RuntimeError) as err:
+            raise ValueError(f"TTEmbedding: shape ({self.row_shape}, {self.dim_shape}) and ranks "
+                             f"{ranks} give sizes the kernels cannot index with int64 "
+                             f"({str(err).splitlines()[0]})") from None
 
     # ----------------------------------------------------------------- shape
     @property

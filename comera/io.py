@@ -16,6 +16,7 @@ from typing import Dict, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from comera.atomic import atomic_write
 from comera.checkpoint import load_state_dict
 from comera.layer_base import live_ranks, tt_layers
 
@@ -98,7 +99,8 @@ def save(model: nn.Module, path: PathLike, *, metadata: Optional[Mapping[str, st
     meta = {"format": "pt", "comera.version": _version(), "comera.layers": json.dumps(info),
             "comera.aliases": json.dumps(aliases)}
     meta.update(metadata or {})
-    st.save_file(tensors, os.fspath(path), metadata=meta)
+    # written next to path and moved over it: a failed save keeps the old file
+    atomic_write(path, lambda tmp: st.save_file(tensors, tmp, metadata=meta))
 
 
 def _version() -> str:

@@ -18,6 +18,8 @@ def _check_shape(shape, features, name):
     shape = list(shape)
     if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
         raise ValueError(f"{name} must be a non-empty list of positive ints, got {shape}")
+    if math.prod(shape) > tt.INT64_MAX:
+        raise ValueError(f"{name} {shape} has product {math.prod(shape)}, which overflows int64")
     if math.prod(shape) < features:
         raise ValueError(f"{name} {shape} has product {math.prod(shape)}, expected a product "
                          f">= {features} (normally exactly {features})")
@@ -25,6 +27,22 @@ def _check_shape(shape, features, name):
         raise ValueError(f"{name} {shape} has product {math.prod(shape)}, expected {features}: "
                          "padding is only allowed up to the next multiple of the other modes")
     return shape
+
+
+def _check_fits(in_shape, out_shape, ranks, in_features, out_features):
+    """Sizes whose products overflow int64 are refused here, before the cores
+    are allocated, with the arguments named: the cores themselves, then every
+    size the C kernels derive (the C planner's own overflow checks)."""
+    full = [1] + list(ranks) + [1]
+    dims = list(in_shape) + list(out_shape)
+    tt.check_core_sizes("TTLinear", [(full[k], n, full[k + 1]) for k, n in enumerate(dims)],
+                        "in_shape, out_shape and rank")
+    try:
+        tt_linear_plan(in_shape, out_shape, full, in_features, out_features, 1)
+    except (ValueError, RuntimeError) as err:
+        raise ValueError(f"TTLinear: in_shape {in_shape}, out_shape {out_shape} and ranks {ranks} "
+                         f"give sizes the kernels cannot index with int64 "
+                         f"({str(err).splitlines()[0]})") from None
 
 
 class TTLinear(TTLayerMixin, nn.Module):
@@ -57,8 +75,8 @@ class TTLinear(TTLayerMixin, nn.Module):
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+            if not 1 <= v <= tt.INT64_MAX:
+                raise ValueError(f"{name} must be in [1, 2**63 - 1], got {v}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -70,6 +88,7 @@ class TTLinear(TTLayerMixin, nn.Module):
         self.path = path
         dims = self.in_shape + self.out_shape
         ranks = tt.resolve_ranks(rank, dims)
+        _check_fits(self.in_shape, self.out_shape, ranks, in_features, out_features)
         full = [1] + ranks + [1]
         std = tt.init_std(len(dims), ranks, 1.0 / (3.0 * in_features))
         factory = {"device": device, "dtype": dtype}

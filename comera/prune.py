@@ -76,13 +76,15 @@ def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -
                         f"got {type(optimizer).__name__}")
     changed: Dict[str, List[int]] = {}
     found = False
+    # every layer is checked before any is cut: a NaN anywhere prunes nothing
     for name, layer in tt_layers(model):
-        found = True
-        gates = list(layer.gates)
-        for k, g in enumerate(gates):
+        for k, g in enumerate(layer.gates):
             if torch.isnan(g.detach()).any():
                 raise ValueError(f"prune: gate {k} of layer '{name or '<model>'}' contains NaN; "
                                  "refusing to prune on NaN (check the learning rate / loss)")
+    for name, layer in tt_layers(model):
+        found = True
+        gates = list(layer.gates)
         keeps = [_keep_indices(g) for g in gates]
         cut = [None if keep.numel() == g.numel() else keep for keep, g in zip(keeps, gates)]
         if all(c is None for c in cut):

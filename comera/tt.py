@@ -74,6 +74,20 @@ def factorize(n: int, k: Optional[int] = None) -> List[int]:
     return best
 
 
+INT64_MAX = 2**63 - 1
+
+
+def check_core_sizes(layer: str, core_shapes: Sequence[Sequence[int]], what: str) -> None:
+    """Refuses, before anything is allocated, cores whose element count
+    overflows int64 (the C kernels index with int64), naming ``what`` (the
+    arguments that set the sizes)."""
+    for k, shape in enumerate(core_shapes):
+        n = math.prod(shape)
+        if n > INT64_MAX:
+            raise ValueError(f"{layer}: {what} give core {k} the shape {tuple(shape)} ({n} "
+                             "elements), which overflows int64: use smaller modes or ranks")
+
+
 def rank_bounds(dims: Sequence[int]) -> List[int]:
     """Largest useful rank of each internal bond of a TT with these modes."""
     out = []

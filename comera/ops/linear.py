@@ -116,8 +116,16 @@ def tt_linear_plan(in_modes: List[int], out_modes: List[int], ranks: List[int],
         >>> tt_linear_plan([8, 8, 12], [12, 16, 16], [1, 30, 30, 30, 30, 30, 1], 768, 3072, 4096)["path"]
         'merge'
     """
-    v = torch.ops.comera.tt_linear_plan(list(in_modes), list(out_modes), list(ranks),
-                                        in_features, out_features, batch).tolist()
+    try:
+        v = torch.ops.comera.tt_linear_plan(list(in_modes), list(out_modes), list(ranks),
+                                            in_features, out_features, batch).tolist()
+    except RuntimeError as err:
+        if "overflow" not in str(err):
+            raise
+        # bad sizes are a ValueError that names the arguments, not an internal error
+        raise ValueError(f"tt_linear_plan: in_modes {list(in_modes)}, out_modes "
+                         f"{list(out_modes)}, ranks {list(ranks)} and batch {batch} give sizes "
+                         "that overflow int64") from None
     return {
         "path": PATH_NAMES[int(v[0])],
         "batch": batch,

@@ -10,20 +10,22 @@ from typing import Dict
 import torch
 from torch import nn
 
+from comera.atomic import atomic_write
 from comera.layer_base import live_ranks, replace_data, tt_layers
 
 
 def save(path: str, state: dict) -> None:
-    """Writes atomically: a crash while saving never leaves a torn file."""
+    """Writes atomically (temp file in the same directory, fsync, os.replace):
+    a crash or an error while saving never leaves a torn file and keeps the
+    previous checkpoint."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load(path: str) -> dict:
-    # Our own checkpoints hold plain containers of tensors and numbers.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # Our own checkpoints hold plain containers of tensors and numbers, so
+    # weights_only=True loads them and never runs code from the file.
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def tt_shapes(model: nn.Module) -> Dict[str, list]:

@@ -11,6 +11,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from comera.atomic import atomic_write
+
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 BOS, PAD, EOS, UNK, MASK = range(5)
 
@@ -92,7 +94,7 @@ def load_or_build(run_dir: str, corpus, *, vocab_size: int, max_train_tokens: in
         with open(meta_path) as fh:
             meta = json.load(fh)
         if meta.get("fingerprint") == key:
-            ids = torch.load(ids_path)
+            ids = torch.load(ids_path, weights_only=True)
             log(f"tokenizer: cached ({meta['vocab_size']} tokens) in {tok_path}")
             return Tokenizer.from_file(tok_path), ids["train"], ids["valid"], meta
         if resume:
@@ -119,7 +121,7 @@ def load_or_build(run_dir: str, corpus, *, vocab_size: int, max_train_tokens: in
             "valid_tokens": int(valid_ids.numel())}
     os.makedirs(run_dir, exist_ok=True)
     tok.save(tok_path)
-    torch.save({"train": train_ids, "valid": valid_ids}, ids_path)
+    atomic_write(ids_path, lambda tmp: torch.save({"train": train_ids, "valid": valid_ids}, tmp))
     with open(meta_path, "w") as fh:
         json.dump(meta, fh, indent=1)
     return tok, train_ids, valid_ids, meta

@@ -118,7 +118,9 @@ int comera_tt_embedding_check_batch(const comera_tt_embedding_desc *d,
     if (!b || b->n < 0 || (b->n > 0 && !b->indices)) return COMERA_ERR_ARG;
     if (b->mode < COMERA_EMB_PLAIN || b->mode > COMERA_EMB_MEAN) return COMERA_ERR_ARG;
     int64_t t;
-    if (!mul_ok(b->n + 1, s.dim_pad, &t) || !mul_ok(t, 16, &t)) return COMERA_ERR_OVERFLOW;
+    /* n + 1 itself may overflow (n near INT64_MAX): checked too */
+    if (!add_ok(b->n, 1, &t) || !mul_ok(t, s.dim_pad, &t) || !mul_ok(t, 16, &t))
+        return COMERA_ERR_OVERFLOW;
     for (int64_t p = 0; p < b->n; p++)
         if (b->indices[p] < 0 || b->indices[p] >= s.num) {
             if (bad) *bad = p;
@@ -126,7 +128,8 @@ int comera_tt_embedding_check_batch(const comera_tt_embedding_desc *d,
         }
     if (b->mode == COMERA_EMB_PLAIN) return COMERA_OK;
     if (b->num_bags < 0 || !b->offsets) return COMERA_ERR_ARG;
-    if (!mul_ok(b->num_bags + 1, s.dim_pad, &t) || !mul_ok(t, 16, &t)) return COMERA_ERR_OVERFLOW;
+    if (!add_ok(b->num_bags, 1, &t) || !mul_ok(t, s.dim_pad, &t) || !mul_ok(t, 16, &t))
+        return COMERA_ERR_OVERFLOW;
     for (int64_t i = 0; i <= b->num_bags; i++) {
         int64_t o = b->offsets[i];
         if ((i == 0 && o != 0) || (i > 0 && o < b->offsets[i - 1]) || o > b->n ||

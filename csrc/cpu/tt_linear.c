@@ -16,7 +16,10 @@ static int add_ok(int64_t a, int64_t b, int64_t *out) {
 int comera_tt_shape_build(const comera_tt_linear_desc *d, tt_shape *s) {
     if (!d || !d->in_modes || !d->out_modes || !d->ranks) return COMERA_ERR_ARG;
     if (d->num_in < 1 || d->num_out < 1) return COMERA_ERR_ARG;
-    if (d->num_in + d->num_out > COMERA_MAX_CORES) return COMERA_ERR_ARG;
+    /* each count is checked alone first: their int sum could overflow */
+    if (d->num_in > COMERA_MAX_CORES || d->num_out > COMERA_MAX_CORES ||
+        d->num_in + d->num_out > COMERA_MAX_CORES)
+        return COMERA_ERR_ARG;
     memset(s, 0, sizeof *s);
     s->p = d->num_in;
     s->D = d->num_in + d->num_out;
