@@ -45,6 +45,9 @@ def default_num_factors(n: int) -> int:
     return 3 if n >= 27 else 2 if n >= 4 else 1
 
 
+MAX_AUTO_FACTORIZE = 2**32
+
+
 def factorize(n: int, k: Optional[int] = None) -> List[int]:
     """Balanced factorisation of ``n`` into ``k`` factors, ascending.
 
@@ -58,6 +61,12 @@ def factorize(n: int, k: Optional[int] = None) -> List[int]:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"factorize: n must be a positive int, got {n!r}")
+    if n > MAX_AUTO_FACTORIZE:
+        # the search below is trial division: fine for any real layer, but
+        # it would take minutes (or hang) for astronomically large sizes
+        raise ValueError(f"factorize: {n} is above {MAX_AUTO_FACTORIZE} (2**32), too large to "
+                         "factorise automatically; pass the modes explicitly (TTLinear's "
+                         "in_shape/out_shape, TTEmbedding's shape)")
     k = default_num_factors(n) if k is None else k
     if k < 1:
         raise ValueError(f"factorize: k must be >= 1, got {k}")

@@ -1,6 +1,8 @@
 """Sizes whose products overflow int64 are refused before anything is
 allocated, with an exception naming the argument, from the modules and
 from the ops' planners (the C side: tests/fuzz)."""
+import math
+
 import pytest
 import torch
 
@@ -54,3 +56,19 @@ def test_huge_valid_shapes_are_not_refused():
     modes and rank 1 is built."""
     layer = comera.TTLinear(2**20, 4, rank=1, in_shape=[2**10, 2**10], out_shape=[2, 2])
     assert layer.ranks == [1, 1, 1]
+
+
+@pytest.mark.parametrize("make", [lambda: comera.TTLinear(2**62, 4, rank=2),
+                                  lambda: comera.TTLinear(4, 2**40, rank=2),
+                                  lambda: comera.TTEmbedding(2**40, 8, rank=2)])
+def test_sizes_too_large_to_factorise_automatically_are_refused_at_once(make):
+    # trial-division factorisation of such sizes would take minutes; the
+    # error says how to give the modes explicitly
+    with pytest.raises(ValueError, match="too large to factorise automatically"):
+        make()
+
+
+def test_factorize_still_handles_large_real_sizes():
+    from comera.tt import factorize
+    f = factorize(2**31 - 1)  # a prime: padded to a balanced neighbour
+    assert len(f) == 3 and math.prod(f) >= 2**31 - 1 and max(f) < 2000
