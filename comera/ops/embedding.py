@@ -102,6 +102,16 @@ def _check_indices(name: str, t) -> torch.Tensor:
     return t
 
 
+def _bad_offsets(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Per entry of CSR bag offsets: is it the one the C check reports?"""
+    o = offsets.to(torch.int64)
+    bad = o > n
+    bad[:1] |= o[:1] != 0
+    bad[1:] |= o[1:] < o[:-1]
+    bad[-1:] |= o[-1:] != n
+    return bad
+
+
 def check_indices_on_device(indices: torch.Tensor, offsets: Optional[torch.Tensor],
                             num_embeddings: int) -> None:
     """Raises IndexError / ValueError for indices out of ``[0, num_embeddings)``
@@ -124,11 +134,7 @@ def check_indices_on_device(indices: torch.Tensor, offsets: Optional[torch.Tenso
     """
     n = indices.numel()
     flat = indices.reshape(-1)
-    if offsets is None:
-        bad_off = flat.new_zeros(0, dtype=torch.bool)
-    else:
-        o = offsets.to(torch.int64)
-        bad_off = torch.cat([o[:1] != 0, o[1:] < o[:-1], o[-1:] != n])
+    bad_off = flat.new_zeros(0, dtype=torch.bool) if offsets is None else _bad_offsets(offsets, n)
     bad_idx = (flat < 0) | (flat >= num_embeddings)
     # one synchronisation for both checks
     flags = torch.stack([bad_idx.any(), bad_off.any()]).tolist()
@@ -139,8 +145,7 @@ def check_indices_on_device(indices: torch.Tensor, offsets: Optional[torch.Tenso
                          f"{num_embeddings})")
     if flags[1]:
         o = offsets.to(torch.int64).cpu()
-        k = int(torch.cat([o[:1] != 0, o[1:] < o[:-1], o[-1:] != n]).nonzero()[0, 0])
-        k = k if k < o.numel() else o.numel() - 1
+        k = int(_bad_offsets(o, n).nonzero()[0, 0])
         raise ValueError(f"offsets[{k}] = {int(o[k])} is invalid: offsets must start at 0, "
                          f"never decrease, and the last one must equal the number of indices "
                          f"({n})")
