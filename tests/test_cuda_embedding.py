@@ -122,7 +122,9 @@ def test_gradcheck_float64_on_device(mode):
     idx = torch.tensor([3, 0, 5, 3, 12, 7]).to(DEV)
     offsets = torch.tensor([0, 2, 2, 6]).to(DEV) if mode else None
     params = [t.to(DEV).requires_grad_() for t in cores + gates]
-    psw = torch.randn(6, dtype=torch.float64, device=DEV).requires_grad_() if mode == "sum" else None
+    psw = None
+    if mode == "sum":
+        psw = torch.randn(6, dtype=torch.float64, device=DEV).requires_grad_()
 
     def f(*ps):
         w = ps[-1] if mode == "sum" else None

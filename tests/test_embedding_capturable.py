@@ -85,8 +85,8 @@ def test_device_check_raises_the_cpu_ops_index_error(idx, pos):
     assert str(mine.value) in str(cpu.value)  # the same words as the C kernels' check
 
 
-@pytest.mark.parametrize("offsets, k", [([1, 2, 3], 0), ([0, 2, 1, 3], 2), ([0, 1, 2], 2), ([0, 5, 3], 1),
-                                        ([0, 4], 1)])
+@pytest.mark.parametrize("offsets, k", [([1, 2, 3], 0), ([0, 2, 1, 3], 2), ([0, 1, 2], 2),
+                                        ([0, 5, 3], 1), ([0, 4], 1)])
 def test_device_check_raises_for_bad_offsets(offsets, k):
     idx = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match=rf"offsets\[{k}\] = {offsets[k]} is invalid"):

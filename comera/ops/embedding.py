@@ -134,7 +134,10 @@ def check_indices_on_device(indices: torch.Tensor, offsets: Optional[torch.Tenso
     """
     n = indices.numel()
     flat = indices.reshape(-1)
-    bad_off = flat.new_zeros(0, dtype=torch.bool) if offsets is None else _bad_offsets(offsets, n)
+    if offsets is None:
+        bad_off = flat.new_zeros(0, dtype=torch.bool)
+    else:
+        bad_off = _bad_offsets(offsets, n)
     bad_idx = (flat < 0) | (flat >= num_embeddings)
     # one synchronisation for both checks
     flags = torch.stack([bad_idx.any(), bad_off.any()]).tolist()
