@@ -8,11 +8,14 @@ Measures, each against its baseline in the same run:
     written with torch.matmul (bench_linear.py's MatmulMerge), at bench_linear's
     shapes, 4096 rows, bfloat16 and float32; eager and as a replayed CUDA graph.
   * embedding: comera.TTEmbedding against nn.Embedding, forward+backward of a
-    32 x 128 batch of token ids (when comera has TTEmbedding).
+    32 x 128 batch of token ids (when comera has TTEmbedding), on comera's
+    CUDA kernels; eager with and without capturable=True (the default checks
+    the indices with one host sync per call), and capturable as a CUDA graph.
   * transformer: one training step (forward, backward, AdamW) of a six-encoder
     transformer (768 hidden, 3072 FFN, 12 heads, batch 32 x 128, bf16 autocast),
     dense nn.Linear against comera.TTLinear in every encoder projection, eager
-    and with the whole step captured in a CUDA graph.
+    and with the whole step captured in a CUDA graph; also with a TTEmbedding
+    for the token table (capturable=True in the graph case).
 Writes DIR/gpu_bench.json and DIR/gpu_bench.md (ratios and the issue's targets).
 Times are medians over repeated loops, in milliseconds per step.
 """
@@ -159,18 +162,23 @@ def bench_embedding(args, device, budget):
     out = []
     for mode in ["eager"] + (["graph"] if device.type == "cuda" else []):
         case = {"num_embeddings": vocab, "embedding_dim": dim, "tokens": batch * seq,
-                "mode": mode, "ms": {}}
+                "mode": mode, "ms": {}, "cuda_kernels": embedding_has_cuda_kernels()}
         if budget.left() < 5:
             case["skipped"] = "time budget spent"
             out.append(case)
             continue
         idx = torch.randint(0, vocab, (batch, seq), device=device)
         gy = torch.randn(batch, seq, dim, device=device)
-        for name in ["nn.Embedding", "comera.TTEmbedding"]:
+        # a graph cannot hold the host-side index check: capturable only
+        names = (["nn.Embedding", "comera.TTEmbedding"] if mode == "graph" else
+                 ["nn.Embedding", "comera.TTEmbedding", "comera.TTEmbedding capturable"])
+        for name in names:
             torch.manual_seed(0)
             try:
                 m = (nn.Embedding(vocab, dim) if name == "nn.Embedding"
-                     else comera.TTEmbedding(vocab, dim, rank=4 if args.tiny else RANK)).to(device)
+                     else comera.TTEmbedding(vocab, dim, rank=4 if args.tiny else RANK,
+                                             capturable=mode == "graph" or "capturable" in name)
+                     ).to(device)
                 params = list(m.parameters())
 
                 def run():
@@ -187,6 +195,12 @@ def bench_embedding(args, device, budget):
         out.append(case)
         print("embedding", json.dumps(case), flush=True)
     return out
+
+
+def embedding_has_cuda_kernels():
+    """Whether this build registers comera's CUDA kernels for the lookup ops."""
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"comera::{op}", "CUDA")
+               for op in ("tt_embedding", "tt_embedding_backward"))
 
 
 # -------------------------------------------------------------- transformer
@@ -231,7 +245,7 @@ def transformer_config(args):
     return dict(vocab=30522, d=768, ff=3072, heads=12, layers=6, batch=32, seq=128, rank=RANK)
 
 
-def build_transformer(kind, cfg, device):
+def build_transformer(kind, cfg, device, capturable=False):
     torch.manual_seed(0)
     if kind == "dense":
         make_linear = nn.Linear
@@ -241,7 +255,7 @@ def build_transformer(kind, cfg, device):
     make_embedding = nn.Embedding
     if kind == "comera+tt_embedding":
         def make_embedding(v, d):
-            return comera.TTEmbedding(v, d, rank=cfg["rank"])
+            return comera.TTEmbedding(v, d, rank=cfg["rank"], capturable=capturable)
     model = Classifier(cfg["vocab"], cfg["d"], cfg["ff"], cfg["heads"], cfg["layers"], cfg["seq"],
                        make_linear, make_embedding)
     return model.to(device)
@@ -263,7 +277,7 @@ def bench_transformer(args, device, budget):
                 case.setdefault("skipped", []).append(kind)
                 continue
             try:
-                model = build_transformer(kind, cfg, device)
+                model = build_transformer(kind, cfg, device, capturable=mode == "graph")
                 case["params"][kind] = sum(p.numel() for p in model.parameters())
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4,
                                         capturable=device.type == "cuda")

@@ -113,6 +113,12 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         include_last_offset: as for :class:`torch.nn.EmbeddingBag`.
         reuse: lookup strategy, ``"auto"`` (planner), ``"none"``, ``"dedup"``
             or ``"prefix"``; a plain attribute, so it can be switched later.
+        capturable: on CUDA, skip the host-side check of the indices (one
+            synchronisation per call), so that forward and backward can be
+            captured in a CUDA graph (``torch.cuda.graphs``); the kernels'
+            buffers are always sized by the number of indices, padded, never
+            by the data.  An index out of range then reads as a NaN row.  On
+            the CPU the results are the same either way.  A plain attribute.
 
     Example:
         >>> import torch, comera
@@ -133,7 +139,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                  shape: Union[None, int, Tuple[Sequence[int], Sequence[int]]] = None,
                  padding_idx: Optional[int] = None, mode: Optional[str] = None,
                  include_last_offset: bool = False, reuse: str = "auto",
-                 device=None, dtype=None):
+                 capturable: bool = False, device=None, dtype=None):
         super().__init__()
         for name, val in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if isinstance(val, bool) or not isinstance(val, int):
@@ -159,6 +165,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         self.padding_idx, self.mode = padding_idx, mode
         self.include_last_offset = bool(include_last_offset)
         self.reuse = reuse
+        self.capturable = bool(capturable)
         self.row_shape, self.dim_shape = _check_shape(shape, num_embeddings, embedding_dim)
         dims = [v * e for v, e in zip(self.row_shape, self.dim_shape)]
         ranks = tt.resolve_ranks(rank, dims)
@@ -229,7 +236,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                             self.embedding_dim, offsets=offsets,
                             per_sample_weights=per_sample_weights, padding_idx=self.padding_idx,
                             mode=self.mode, include_last_offset=self.include_last_offset,
-                            reuse=self.reuse)
+                            reuse=self.reuse, capturable=self.capturable)
 
     # ------------------------------------------------------------ inspection
     def plan(self, input: torch.Tensor) -> dict:
@@ -348,4 +355,6 @@ class TTEmbedding(TTLayerMixin, nn.Module):
             s += f", padding_idx={self.padding_idx}"
         if self.mode is not None:
             s += f", mode={self.mode!r}"
+        if self.capturable:
+            s += ", capturable=True"
         return s

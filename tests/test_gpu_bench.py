@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -32,9 +33,25 @@ def test_tiny_cpu_run_writes_json_and_markdown(tiny_run):
     tr = saved["transformer"]
     assert len(tr) == 1 and {"dense", "comera"} <= set(tr[0]["ms"])
     assert tr[0]["params"]["comera"] < tr[0]["params"]["dense"]
+    emb = saved["embedding"]
+    assert len(emb) == 1 and emb[0]["mode"] == "eager" and emb[0]["cuda_kernels"] is False
+    assert set(emb[0]["ms"]) == {"nn.Embedding", "comera.TTEmbedding",
+                                 "comera.TTEmbedding capturable"}
+    assert all(v > 0 for v in emb[0]["ms"].values()) and "errors" not in emb[0]
+    assert "comera+tt_embedding" in tr[0]["ms"]
     md = (out / "gpu_bench.md").read_text()
     assert "| float32 | eager | 48 -> 96 |" in md
+    assert "comera.TTEmbedding capturable" in md
     assert "Transformer training step" in md and "dense" in md
+
+
+def test_graph_case_builds_a_capturable_embedding():
+    cfg = gpu_bench.transformer_config(type("A", (), {"tiny": True})())
+    graph = gpu_bench.build_transformer("comera+tt_embedding", cfg, "cpu", capturable=True)
+    eager = gpu_bench.build_transformer("comera+tt_embedding", cfg, "cpu")
+    assert graph.tok.capturable and not eager.tok.capturable
+    ids = torch.randint(0, cfg["vocab"], (2, cfg["seq"]))
+    torch.testing.assert_close(graph(ids), eager(ids))  # same seed, same numbers
 
 
 def _case(mode, x):

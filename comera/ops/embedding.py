@@ -102,12 +102,73 @@ def _check_indices(name: str, t) -> torch.Tensor:
     return t
 
 
+def _bad_offsets(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Per entry of CSR bag offsets: is it the one the C check reports?"""
+    o = offsets.to(torch.int64)
+    bad = o > n
+    bad[:1] |= o[:1] != 0
+    bad[1:] |= o[1:] < o[:-1]
+    bad[-1:] |= o[-1:] != n
+    return bad
+
+
+def check_indices_on_device(indices: torch.Tensor, offsets: Optional[torch.Tensor],
+                            num_embeddings: int) -> None:
+    """Raises IndexError / ValueError for indices out of ``[0, num_embeddings)``
+    or bad bag offsets (CSR: ``num_bags + 1`` entries, starting at 0, never
+    decreasing, ending at ``len(indices)``), with the messages of the CPU op.
+
+    The CUDA kernels never read index values on the host (so they can be
+    captured in a CUDA graph) and turn a bad index into a NaN row; this check
+    costs one host synchronisation, and :func:`tt_embedding` runs it for
+    device tensors unless ``capturable=True``.  It works on any device.
+
+    Example:
+        >>> import torch
+        >>> from comera.ops.embedding import check_indices_on_device
+        >>> check_indices_on_device(torch.tensor([0, 4]), torch.tensor([0, 1, 2]), 5)
+        >>> check_indices_on_device(torch.tensor([0, 5]), None, 5)
+        Traceback (most recent call last):
+        ...
+        IndexError: index 5 at position 1 is out of range for num_embeddings=5 (expected 0 <= index < 5)
+    """
+    n = indices.numel()
+    flat = indices.reshape(-1)
+    if offsets is None:
+        bad_off = flat.new_zeros(0, dtype=torch.bool)
+    else:
+        bad_off = _bad_offsets(offsets, n)
+    bad_idx = (flat < 0) | (flat >= num_embeddings)
+    # one synchronisation for both checks
+    flags = torch.stack([bad_idx.any(), bad_off.any()]).tolist()
+    if flags[0]:
+        p = int(bad_idx.nonzero()[0, 0])
+        raise IndexError(f"index {int(flat[p])} at position {p} is out of range for "
+                         f"num_embeddings={num_embeddings} (expected 0 <= index < "
+                         f"{num_embeddings})")
+    if flags[1]:
+        o = offsets.to(torch.int64).cpu()
+        k = int(_bad_offsets(o, n).nonzero()[0, 0])
+        raise ValueError(f"offsets[{k}] = {int(o[k])} is invalid: offsets must start at 0, "
+                         f"never decrease, and the last one must equal the number of indices "
+                         f"({n})")
+
+
+def _check_on_device(capturable, input, offsets, num_embeddings):
+    if capturable or input.device.type == "cpu":
+        return  # the CPU op checks on its own; capturable: no host sync
+    if torch.compiler.is_compiling():
+        return  # a data-dependent branch would break the graph
+    check_indices_on_device(input, offsets, num_embeddings)
+
+
 def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
                  gates: Sequence[torch.Tensor], num_embeddings: int, embedding_dim: int, *,
                  offsets: Optional[torch.Tensor] = None,
                  per_sample_weights: Optional[torch.Tensor] = None,
                  padding_idx: Optional[int] = None, mode: Optional[str] = None,
-                 include_last_offset: bool = False, reuse: str = "auto") -> torch.Tensor:
+                 include_last_offset: bool = False, reuse: str = "auto",
+                 capturable: bool = False) -> torch.Tensor:
     """Looks up rows of a TTM-format embedding table (DESIGN.md section 3).
 
     Plain mode (``mode=None``): ``input`` of any shape, output
@@ -119,6 +180,13 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
     strategy: ``"auto"`` (planner), ``"none"`` (every index on its own),
     ``"dedup"`` (each distinct row once), ``"prefix"`` (dedup and shared
     prefixes of the contraction reused).
+
+    On CUDA the kernels use buffers sized by the number of indices (never by
+    the number of distinct rows) and never wait for the device; the indices
+    and offsets are checked first with one host synchronisation, unless
+    ``capturable=True``: then nothing synchronises (the call can be captured
+    in a CUDA graph) and an index out of range reads as a NaN row.  On the
+    CPU ``capturable`` changes nothing: the C kernels always check.
 
     Example:
         >>> import torch, comera
@@ -139,6 +207,7 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
         if offsets is not None or per_sample_weights is not None:
             raise ValueError("offsets and per_sample_weights are only valid in bag modes "
                              "(mode='sum' or 'mean')")
+        _check_on_device(capturable, input, None, num_embeddings)
         out = _lookup(input.reshape(-1), None, None, cores, gates, num_embeddings,
                       embedding_dim, pad, 0, REUSE[reuse])
         return out.reshape(*input.shape, embedding_dim)
@@ -175,6 +244,7 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
             raise ValueError(f"per_sample_weights must have the shape of input "
                              f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
         per_sample_weights = per_sample_weights.to(cores[0].dtype)
+    _check_on_device(capturable, input, offsets, num_embeddings)
     return _lookup(input, offsets, per_sample_weights, cores, gates, num_embeddings,
                    embedding_dim, pad, MODES[mode], REUSE[reuse])
 

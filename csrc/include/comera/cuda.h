@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "comera/tt_embedding.h"
 #include "comera/tt_linear.h"
 
 #ifdef __cplusplus
@@ -94,6 +95,43 @@ int comera_gate_prox_cuda(int dtype, int64_t num_gates, const int64_t *table, do
  * zeros stay zero, NaN stays NaN.  threshold >= 0. */
 int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double threshold,
                                     cudaStream_t stream);
+
+/* ---- TT embedding (comera::tt_embedding, tt_embedding_backward) ----------
+ *
+ * The lookups of comera_tt_embedding_fwd/bwd_* (tt_embedding.h) on device
+ * data: the batch's indices and offsets are device pointers, `cores` and
+ * `gates` host arrays of device pointers, psw (sum bags only, else NULL)
+ * and the outputs device pointers.  `reuse`: NONE contracts every index;
+ * DEDUP and PREFIX sort the indices and contract each distinct row once (no
+ * prefix sharing on the GPU); AUTO dedups when a row costs more than
+ * sorting an index.  The backward always sorts: its sums run in a fixed
+ * order, with no float atomics, so gradients are the same from run to run.
+ *
+ * Nothing here reads device data on the host: every buffer is sized by the
+ * number of indices n (not by the number of distinct rows), so the calls are
+ * CUDA-graph capturable.  Hence the indices and offsets are NOT validated:
+ * an index outside [0, num_embeddings) reads as a NaN row (its bag is NaN)
+ * and gets no gradient, offsets are clamped to [0, n].  The caller checks
+ * them first where it may synchronise.
+ *
+ * comera_tt_embedding_cuda_workspace gives the workspace bytes of the
+ * forward (backward != 0: the backward) for this batch's n and num_bags. */
+int comera_tt_embedding_cuda_workspace(const comera_tt_embedding_desc *d,
+                                       const comera_tt_embedding_batch *b, int dtype,
+                                       int backward, size_t *bytes);
+
+int comera_tt_embedding_fwd_cuda(const comera_tt_embedding_desc *d,
+                                 const comera_tt_embedding_batch *b, int dtype, const void *psw,
+                                 int reuse, const void *const *cores, const void *const *gates,
+                                 void *out, void *workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
+
+int comera_tt_embedding_bwd_cuda(const comera_tt_embedding_desc *d,
+                                 const comera_tt_embedding_batch *b, int dtype, const void *psw,
+                                 int reuse, const void *grad_out, const void *const *cores,
+                                 const void *const *gates, void *const *dcores,
+                                 void *const *dgates, void *workspace, size_t workspace_bytes,
+                                 cudaStream_t stream);
 
 #ifdef __cplusplus
 }

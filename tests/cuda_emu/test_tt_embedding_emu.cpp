@@ -1,0 +1,318 @@
+/* The CUDA TT embedding launchers (csrc/cuda/tt_embedding*.cu), compiled
+ * for the host with the emulation in cuda_emulate.h, against the float64 C
+ * kernels (csrc/cpu/tt_embedding.c) as reference, for float64, float32,
+ * bfloat16 and float16: plain, sum (with and without per-sample weights) and
+ * mean bags, every reuse strategy, repeated indices, a padding row, padded
+ * row and dim modes, empty bags and an empty batch.  Also: the workspace
+ * size is enough (guard bytes past it stay untouched), an index out of range
+ * reads as NaN, argument errors, and the backward is bitwise the same for a
+ * permuted batch of distinct rows.
+ * Prints one line per failure, then "N passed, M failed"; exits 1 on failure. */
+#include "cuda_emulate.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "comera/cuda.h"
+#include "comera/tt_embedding.h"
+
+struct Case {
+    const char *name;
+    std::vector<int64_t> v, e, r;
+    int64_t num, dim, pad;
+};
+
+static const Case CASES[] = {
+    {"d2 5x3", {5, 3}, {2, 3}, {1, 3, 1}, 15, 6, -1},
+    {"d2 padded pad0", {4, 4}, {3, 3}, {1, 4, 1}, 13, 7, 0},
+    {"d3 TT bound", {3, 2, 4}, {2, 2, 3}, {1, 6, 12, 1}, 24, 12, 5},
+    {"d3 rank1", {2, 3, 3}, {2, 1, 3}, {1, 1, 1, 1}, 17, 5, -1},
+    {"d4 mixed", {2, 3, 2, 2}, {2, 2, 1, 3}, {1, 3, 4, 2, 1}, 20, 11, 19},
+    {"d3 wide", {4, 5, 3}, {4, 4, 6}, {1, 8, 8, 1}, 60, 96, 7},
+};
+
+static unsigned g_state = 12345;
+static double urand() {
+    g_state = g_state * 1664525u + 1013904223u;
+    return ((g_state >> 8) & 0xFFFFFF) / 8388608.0 - 1.0;
+}
+
+template <typename T> T from_d(double v);
+template <> float from_d<float>(double v) { return (float)v; }
+template <> double from_d<double>(double v) { return v; }
+template <> __nv_bfloat16 from_d<__nv_bfloat16>(double v) { return __float2bfloat16((float)v); }
+template <> __half from_d<__half>(double v) { return __float2half((float)v); }
+static double to_d(float v) { return v; }
+static double to_d(double v) { return v; }
+static double to_d(__nv_bfloat16 v) { return __bfloat162float(v); }
+static double to_d(__half v) { return __half2float(v); }
+
+template <typename T> struct DT;
+template <> struct DT<float> { enum { id = COMERA_DT_F32 }; static constexpr double tol = 2e-5; };
+template <> struct DT<double> { enum { id = COMERA_DT_F64 }; static constexpr double tol = 1e-11; };
+template <> struct DT<__nv_bfloat16> { enum { id = COMERA_DT_BF16 }; static constexpr double tol = 4e-2; };
+template <> struct DT<__half> { enum { id = COMERA_DT_F16 }; static constexpr double tol = 6e-3; };
+
+static int passed = 0, failed = 0;
+static void check(bool ok, const std::string &what) {
+    if (ok) {
+        passed++;
+    } else {
+        failed++;
+        printf("FAIL %s\n", what.c_str());
+    }
+}
+
+template <typename T> static std::vector<double> rounded(size_t n, double lo, double hi) {
+    std::vector<double> v(n);
+    for (auto &x : v) x = to_d(from_d<T>(lo + (hi - lo) * (urand() + 1.0) / 2.0));
+    return v;
+}
+template <typename T> static std::vector<T> as(const std::vector<double> &v) {
+    std::vector<T> o(v.size());
+    for (size_t i = 0; i < v.size(); i++) o[i] = from_d<T>(v[i]);
+    return o;
+}
+template <typename T> static double rel_err(const std::vector<T> &got, const std::vector<double> &ref) {
+    double num = 0, den = 1e-30;
+    for (size_t i = 0; i < ref.size(); i++) {
+        num = std::fmax(num, std::fabs(to_d(got[i]) - ref[i]));
+        if (std::isnan(to_d(got[i]))) num = 1e30;
+        den = std::fmax(den, std::fabs(ref[i]));
+    }
+    return got.size() == ref.size() ? num / den : 1e30;
+}
+
+struct Guarded {
+    std::vector<unsigned char> buf;
+    size_t bytes;
+    explicit Guarded(size_t n) : buf(n + 4096, 0xA5), bytes(n) {}
+    bool intact() const {
+        for (size_t i = bytes; i < buf.size(); i++)
+            if (buf[i] != 0xA5) return false;
+        return true;
+    }
+};
+
+struct Layer {
+    comera_tt_embedding_desc d{};
+    std::vector<std::vector<double>> cores, gates;
+    explicit Layer(const Case &c) {
+        d.num_cores = (int32_t)c.v.size();
+        d.row_modes = c.v.data();
+        d.dim_modes = c.e.data();
+        d.ranks = c.r.data();
+        d.num_embeddings = c.num;
+        d.embedding_dim = c.dim;
+        d.padding_idx = c.pad;
+        for (int k = 0; k < d.num_cores; k++) {
+            cores.push_back(std::vector<double>((size_t)(c.r[k] * c.v[k] * c.e[k] * c.r[k + 1])));
+            if (k + 1 < d.num_cores) gates.push_back(std::vector<double>((size_t)c.r[k + 1]));
+        }
+    }
+};
+
+/* One batch against the float64 C kernels, forward and backward. */
+template <typename T>
+static void run(const Case &c, int mode, bool with_psw, int reuse, std::vector<int64_t> idx,
+                std::vector<int64_t> offsets) {
+    Layer L(c);
+    for (auto &v : L.cores) v = rounded<T>(v.size(), -0.8, 0.8);
+    for (auto &v : L.gates) v = rounded<T>(v.size(), 0.5, 1.5);
+    const int64_t n = (int64_t)idx.size();
+    comera_tt_embedding_batch b{};
+    b.mode = mode;
+    b.n = n;
+    b.indices = idx.data();
+    b.num_bags = mode ? (int64_t)offsets.size() - 1 : 0;
+    b.offsets = mode ? offsets.data() : nullptr;
+    const int64_t rows = mode ? b.num_bags : n, D = c.dim;
+    std::vector<double> psw = rounded<T>((size_t)n, -1.5, 1.5);
+    std::vector<double> grad = rounded<T>((size_t)(rows * D), -1, 1);
+    const double *rpsw = with_psw ? psw.data() : nullptr;
+    std::string what = std::string(c.name) + " mode " + std::to_string(mode) +
+                       (with_psw ? " psw" : "") + " reuse " + std::to_string(reuse) + " n " +
+                       std::to_string(n) + " dtype " + std::to_string((int)DT<T>::id);
+
+    std::vector<const double *> rc, rg;
+    for (auto &v : L.cores) rc.push_back(v.data());
+    for (auto &v : L.gates) rg.push_back(v.data());
+    std::vector<double> ref_out((size_t)(rows * D));
+    int rrc = comera_tt_embedding_fwd_f64(&L.d, &b, rpsw, COMERA_REUSE_DEDUP, rc.data(), rg.data(),
+                                          ref_out.data(), 1);
+    std::vector<std::vector<double>> rdc, rdg;
+    std::vector<double *> rdcp, rdgp;
+    for (auto &v : L.cores) rdc.push_back(std::vector<double>(v.size()));
+    for (auto &v : L.gates) rdg.push_back(std::vector<double>(v.size()));
+    for (auto &v : rdc) rdcp.push_back(v.data());
+    for (auto &v : rdg) rdgp.push_back(v.data());
+    rrc |= comera_tt_embedding_bwd_f64(&L.d, &b, rpsw, COMERA_REUSE_DEDUP, grad.data(), rc.data(),
+                                       rg.data(), rdcp.data(), rdgp.data(), 1);
+    check(rrc == COMERA_OK, what + ": reference kernels");
+
+    std::vector<std::vector<T>> tc, tg, dc, dg;
+    std::vector<const void *> tcp, tgp;
+    std::vector<void *> dcp, dgp;
+    for (auto &v : L.cores) tc.push_back(as<T>(v));
+    for (auto &v : L.gates) tg.push_back(as<T>(v));
+    for (auto &v : tc) { tcp.push_back(v.data()); dc.push_back(std::vector<T>(v.size(), from_d<T>(7))); }
+    for (auto &v : tg) { tgp.push_back(v.data()); dg.push_back(std::vector<T>(v.size(), from_d<T>(7))); }
+    for (auto &v : dc) dcp.push_back(v.data());
+    for (auto &v : dg) dgp.push_back(v.data());
+    std::vector<T> tpsw = as<T>(psw), tgrad = as<T>(grad);
+    std::vector<T> out((size_t)(rows * D), from_d<T>(7));
+
+    size_t fb = 0, bb = 0;
+    check(comera_tt_embedding_cuda_workspace(&L.d, &b, DT<T>::id, 0, &fb) == COMERA_OK &&
+              comera_tt_embedding_cuda_workspace(&L.d, &b, DT<T>::id, 1, &bb) == COMERA_OK,
+          what + ": workspace size");
+    Guarded wf(fb), wb(bb);
+    int frc = comera_tt_embedding_fwd_cuda(&L.d, &b, DT<T>::id, with_psw ? tpsw.data() : nullptr,
+                                           reuse, tcp.data(), tgp.data(), out.data(),
+                                           wf.buf.data(), fb, nullptr);
+    check(frc == COMERA_OK, what + ": forward returned " + std::to_string(frc));
+    check(wf.intact(), what + ": forward wrote past its workspace");
+    double e = rel_err(out, ref_out);
+    check(e <= DT<T>::tol, what + ": forward error " + std::to_string(e));
+    int brc = comera_tt_embedding_bwd_cuda(&L.d, &b, DT<T>::id, with_psw ? tpsw.data() : nullptr,
+                                           reuse, tgrad.data(), tcp.data(), tgp.data(), dcp.data(),
+                                           dgp.data(), wb.buf.data(), bb, nullptr);
+    check(brc == COMERA_OK, what + ": backward returned " + std::to_string(brc));
+    check(wb.intact(), what + ": backward wrote past its workspace");
+    for (size_t k = 0; k < dc.size(); k++) {
+        double ek = rel_err(dc[k], rdc[k]);
+        check(ek <= 2 * DT<T>::tol, what + ": core " + std::to_string(k) + " grad error " + std::to_string(ek));
+    }
+    for (size_t k = 0; k < dg.size(); k++) {
+        double ek = rel_err(dg[k], rdg[k]);
+        check(ek <= 2 * DT<T>::tol, what + ": gate " + std::to_string(k) + " grad error " + std::to_string(ek));
+    }
+}
+
+static std::vector<int64_t> random_indices(const Case &c, int64_t n) {
+    std::vector<int64_t> idx((size_t)n);
+    for (auto &t : idx) {
+        t = (int64_t)((urand() + 1.0) / 2.0 * (double)c.num);
+        if (t >= c.num) t = c.num - 1;
+        if (urand() > 0.6) t = 3 % c.num;  // plenty of repeats
+    }
+    if (c.pad >= 0 && n > 2) idx[1] = c.pad;
+    return idx;
+}
+
+template <typename T> static void run_all() {
+    for (const Case &c : CASES) {
+        for (int64_t n : {0, 1, 9, 40}) {
+            std::vector<int64_t> idx = random_indices(c, n);
+            std::vector<int64_t> off = {0};
+            if (n > 0) off = {0, 0, n / 3, n / 3, n};  // empty bags too
+            else off = {0, 0};
+            for (int reuse : {COMERA_REUSE_AUTO, COMERA_REUSE_NONE, COMERA_REUSE_DEDUP})
+                run<T>(c, COMERA_EMB_PLAIN, false, reuse, idx, {});
+            run<T>(c, COMERA_EMB_SUM, false, COMERA_REUSE_PREFIX, idx, off);
+            run<T>(c, COMERA_EMB_SUM, true, COMERA_REUSE_NONE, idx, off);
+            run<T>(c, COMERA_EMB_MEAN, false, COMERA_REUSE_AUTO, idx, off);
+        }
+    }
+}
+
+/* An index out of range reads NaN (plain row, its bag) and no memory past
+ * the table; argument errors come back as codes. */
+static void edge_cases() {
+    const Case &c = CASES[0];
+    Layer L(c);
+    for (auto &v : L.cores) v.assign(v.size(), 0.5);
+    for (auto &v : L.gates) v.assign(v.size(), 1.0);
+    std::vector<const void *> cp, gp;
+    std::vector<std::vector<float>> fc, fg;
+    for (auto &v : L.cores) fc.push_back(as<float>(v));
+    for (auto &v : L.gates) fg.push_back(as<float>(v));
+    for (auto &v : fc) cp.push_back(v.data());
+    for (auto &v : fg) gp.push_back(v.data());
+    std::vector<int64_t> idx = {2, 15, -1, 2}, off = {0, 1, 4};
+    comera_tt_embedding_batch b{COMERA_EMB_PLAIN, 4, idx.data(), 0, nullptr};
+    size_t bytes = 0;
+    comera_tt_embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 0, &bytes);
+    std::vector<unsigned char> ws(bytes);
+    std::vector<float> out((size_t)(4 * c.dim));
+    int rc = comera_tt_embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
+                                          out.data(), ws.data(), bytes, nullptr);
+    check(rc == COMERA_OK && !std::isnan(out[0]) && std::isnan(out[(size_t)c.dim]) &&
+              std::isnan(out[(size_t)(2 * c.dim)]) && out[(size_t)(3 * c.dim)] == out[0],
+          "out-of-range indices read as NaN rows");
+    comera_tt_embedding_batch bb{COMERA_EMB_SUM, 4, idx.data(), 2, off.data()};
+    comera_tt_embedding_cuda_workspace(&L.d, &bb, COMERA_DT_F32, 0, &bytes);
+    ws.resize(bytes);
+    std::vector<float> bout((size_t)(2 * c.dim));
+    rc = comera_tt_embedding_fwd_cuda(&L.d, &bb, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
+                                      bout.data(), ws.data(), bytes, nullptr);
+    check(rc == COMERA_OK && !std::isnan(bout[0]) && std::isnan(bout[(size_t)c.dim]),
+          "a bag holding an out-of-range index is NaN");
+    check(comera_tt_embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 9, cp.data(), gp.data(),
+                                       out.data(), ws.data(), bytes, nullptr) == COMERA_ERR_ARG,
+          "bad reuse is an argument error");
+    check(comera_tt_embedding_fwd_cuda(&L.d, &b, 7, nullptr, 0, cp.data(), gp.data(), out.data(),
+                                       ws.data(), bytes, nullptr) == COMERA_ERR_ARG,
+          "bad dtype is an argument error");
+    check(comera_tt_embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
+                                       out.data(), ws.data(), 16, nullptr) == COMERA_ERR_WORKSPACE,
+          "a short workspace is refused");
+    comera_tt_embedding_batch bad{5, 4, idx.data(), 0, nullptr};
+    check(comera_tt_embedding_cuda_workspace(&L.d, &bad, COMERA_DT_F32, 0, &bytes) == COMERA_ERR_ARG,
+          "bad mode is an argument error");
+}
+
+/* Distinct rows in two orders: every gradient sum runs in the same order,
+ * so the backward is bitwise the same. */
+static void permutation_invariance() {
+    const Case &c = CASES[5];
+    Layer L(c);
+    for (auto &v : L.cores) v = rounded<float>(v.size(), -1, 1);
+    for (auto &v : L.gates) v = rounded<float>(v.size(), 0.5, 1.5);
+    std::vector<std::vector<float>> fc, fg;
+    std::vector<const void *> cp, gp;
+    for (auto &v : L.cores) fc.push_back(as<float>(v));
+    for (auto &v : L.gates) fg.push_back(as<float>(v));
+    for (auto &v : fc) cp.push_back(v.data());
+    for (auto &v : fg) gp.push_back(v.data());
+    std::vector<int64_t> a = {4, 17, 33, 50, 8, 21}, rev(a.rbegin(), a.rend());
+    std::vector<float> grad = as<float>(rounded<float>((size_t)(6 * c.dim), -1, 1)), grev(grad.size());
+    for (int p = 0; p < 6; p++)
+        memcpy(&grev[(size_t)(p * c.dim)], &grad[(size_t)((5 - p) * c.dim)], sizeof(float) * (size_t)c.dim);
+    std::vector<std::vector<float>> out[2];
+    for (int w = 0; w < 2; w++) {
+        comera_tt_embedding_batch b{COMERA_EMB_PLAIN, 6, w ? rev.data() : a.data(), 0, nullptr};
+        size_t bytes = 0;
+        comera_tt_embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 1, &bytes);
+        std::vector<unsigned char> ws(bytes);
+        std::vector<void *> dcp, dgp;
+        for (auto &v : fc) out[w].push_back(std::vector<float>(v.size()));
+        for (auto &v : fg) out[w].push_back(std::vector<float>(v.size()));
+        for (size_t k = 0; k < fc.size(); k++) dcp.push_back(out[w][k].data());
+        for (size_t k = 0; k < fg.size(); k++) dgp.push_back(out[w][fc.size() + k].data());
+        comera_tt_embedding_bwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, w ? grev.data() : grad.data(),
+                                     cp.data(), gp.data(), dcp.data(), dgp.data(), ws.data(), bytes,
+                                     nullptr);
+    }
+    bool same = true;
+    for (size_t k = 0; k < out[0].size(); k++)
+        same = same && memcmp(out[0][k].data(), out[1][k].data(), sizeof(float) * out[0][k].size()) == 0;
+    check(same, "backward of permuted distinct rows is bitwise identical");
+}
+
+int main() {
+    run_all<double>();
+    run_all<float>();
+    run_all<__nv_bfloat16>();
+    run_all<__half>();
+    edge_cases();
+    permutation_invariance();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
