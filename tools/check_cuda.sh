@@ -30,6 +30,7 @@ done
 echo "check-cuda: $n CUDA sources compiled with nvcc, no warnings"
 
 venv="${CUDA_VENV:-.venv-cuda}"
+case "$venv" in /*) ;; *) venv="$root/$venv" ;; esac
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then
     echo "check-cuda: no CUDA build of torch in $venv: skipped the full extension build (make venv-cuda)"
     exit 0
@@ -37,7 +38,7 @@ fi
 rm -rf build/cuda-ext
 COMERA_CUDA=1 "$venv/bin/python" setup.py -q build --build-base build/cuda-ext
 lib="$(ls -d build/cuda-ext/lib*)"
-(cd /tmp && PYTHONPATH="$root/$lib" "$root/$venv/bin/python" - <<'PY'
+(cd /tmp && PYTHONPATH="$root/$lib" "$venv/bin/python" - <<'PY'
 import torch, comera
 ops = ["tt_linear", "tt_linear_backward", "gate_prox_", "tt_embedding",
        "tt_embedding_backward", "tt_embedding_plan"]
