@@ -193,6 +193,7 @@ def test_large_batch_many_threads_against_reconstruction():
 
 
 def test_gradients_independent_of_index_order_and_thread_count():
+    torch.manual_seed(0)
     emb = comera.TTEmbedding(500, 16, rank=5)
     idx = torch.randint(0, 60, (2000,))
     g = torch.randn(2000, 16)
@@ -207,8 +208,10 @@ def test_gradients_independent_of_index_order_and_thread_count():
     again = grads(idx, g)
     for a, b in zip(base, again):
         assert torch.equal(a, b)  # deterministic run to run
+    # another order sums each row's ~33 float32 terms in another order: equal
+    # up to rounding (a missing or doubled term would be off by O(1))
     for a, b in zip(base, grads(idx[perm], g[perm])):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -216,7 +219,7 @@ def test_gradients_independent_of_index_order_and_thread_count():
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(base, single):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", [None, "sum"])
