@@ -186,7 +186,8 @@ def markdown(payload, args):
                f"{cfg['classes']}-way classifier. GaLore: rank 128 on every encoder linear. comera: "
                "every encoder linear and the word embedding (when available) at rank 30. Peak = whole-"
                "process peak RSS during the steps minus the RSS before the model was built (weights, "
-               "grads, optimizer state, activations). Step time = median after one warm-up step "
+               "grads, optimizer state, activations), taken after one step of a tiny model of the same "
+               "method so that modules and code loaded once per process are not counted. Step time = median after one warm-up step "
                "(GaLore's warm-up includes its SVDs, redone every 200 steps: first-step time shown).\n",
                "| batch | method | step ms | first step ms | peak MB | params | optimizer state MB | "
                "comera step speed-up | comera memory reduction |",

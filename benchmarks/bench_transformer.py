@@ -169,7 +169,9 @@ def markdown(p, args):
     clock = "process CPU time" if args.clock == "cpu" else "wall-clock time"
     md += ["\n## Training step\n",
            f"Median {clock} per step after one warm-up step; peak = whole-process peak RSS during the "
-           "steps minus the RSS before the model was built (weights, grads, AdamW state, activations).\n",
+           "steps minus the RSS before the model was built (weights, grads, AdamW state, activations), "
+           "taken after one step of a tiny model of the same method so that modules and code loaded "
+           "once per process are not counted.\n",
            "| batch | method | step ms | peak MB | speed-up vs dense | memory reduction vs dense |",
            "|---|---|---|---|---|---|"]
     for r in p["steps"]:

@@ -24,6 +24,8 @@ Example:
     >>> res["method"], res["batch"], res["reps"]
     ('comera', 2, 1)
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -135,5 +137,6 @@ def run_case(case):
         "peak_bytes": peak, "peak_reset_ok": peak_reset,
         "param_count": sum(p.numel() for p in params), "param_bytes": tensor_bytes(params),
         "optimizer_state_bytes": optimizer_state_bytes(opt),
-        "rank_adaptive": ra is not None, "pruned_from": case.get("state_path"),
+        "rank_adaptive": ra is not None,
+        "pruned_from": os.path.basename(case["state_path"]) if case.get("state_path") else None,
     }
