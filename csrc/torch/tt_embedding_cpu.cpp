@@ -8,13 +8,11 @@
 #include <vector>
 
 #include "comera/tt_embedding.h"
+#include "tt_embedding_desc.h"
 
 namespace {
 
-struct Desc {
-    std::vector<int64_t> row_modes, dim_modes, ranks;
-    comera_tt_embedding_desc d{};
-};
+using Desc = comera_glue::EmbeddingDesc;
 
 // The index batch; keeps the converted index and offset tensors alive.
 struct Batch {
@@ -31,52 +29,15 @@ const char *error_text(int rc) {
     }
 }
 
-Desc describe(const char *op, at::TensorList cores, at::TensorList gates, int64_t num_embeddings,
-              int64_t embedding_dim, int64_t padding_idx) {
-    int64_t D = static_cast<int64_t>(cores.size());
-    TORCH_CHECK_VALUE(D >= 2 && D <= COMERA_MAX_CORES, op, ": expected 2 to ", COMERA_MAX_CORES,
-                      " cores, got ", D);
-    TORCH_CHECK_VALUE(static_cast<int64_t>(gates.size()) == D - 1, op, ": expected ", D - 1,
-                      " gates, got ", gates.size());
-    Desc out;
-    out.ranks.push_back(1);
-    auto dtype = cores[0].scalar_type();
+void check_cpu_dtype(at::ScalarType dtype, const char *op) {
     TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble, op,
                      ": cores must be float32 or float64, got ", dtype);
-    for (int64_t k = 0; k < D; k++) {
-        const at::Tensor &c = cores[k];
-        TORCH_CHECK_VALUE(c.dim() == 4, op, ": core ", k,
-                          " must be 4-D (rank, row mode, dim mode, rank), got ", c.dim(), "-D");
-        TORCH_CHECK_VALUE(c.size(0) == out.ranks.back(), op, ": core ", k, " has left rank ",
-                          c.size(0), ", expected ", out.ranks.back());
-        TORCH_CHECK_TYPE(c.scalar_type() == dtype, op, ": core ", k, " has dtype ",
-                         c.scalar_type(), ", expected ", dtype);
-        TORCH_CHECK_VALUE(c.device().is_cpu(), op, ": core ", k, " must be on the CPU");
-        out.row_modes.push_back(c.size(1));
-        out.dim_modes.push_back(c.size(2));
-        out.ranks.push_back(c.size(3));
-        if (k < D - 1) {
-            TORCH_CHECK_VALUE(gates[k].dim() == 1 && gates[k].size(0) == c.size(3), op, ": gate ",
-                              k, " must have shape (", c.size(3), ",), got ", gates[k].sizes());
-            TORCH_CHECK_TYPE(gates[k].scalar_type() == dtype, op, ": gate ", k, " has dtype ",
-                             gates[k].scalar_type(), ", expected ", dtype);
-        }
-    }
-    TORCH_CHECK_VALUE(out.ranks.back() == 1, op, ": the last core must have right rank 1, got ",
-                      out.ranks.back());
-    out.d.num_cores = static_cast<int32_t>(D);
-    out.d.row_modes = out.row_modes.data();
-    out.d.dim_modes = out.dim_modes.data();
-    out.d.ranks = out.ranks.data();
-    out.d.num_embeddings = num_embeddings;
-    out.d.embedding_dim = embedding_dim;
-    out.d.padding_idx = padding_idx;
-    int rc = comera_tt_embedding_check(&out.d);
-    TORCH_CHECK_VALUE(rc == COMERA_OK, op, ": ", error_text(rc), " (num_embeddings ",
-                      num_embeddings, ", embedding_dim ", embedding_dim, ", padding_idx ",
-                      padding_idx, ", row modes ", at::IntArrayRef(out.row_modes),
-                      ", dim modes ", at::IntArrayRef(out.dim_modes), ")");
-    return out;
+}
+
+Desc describe(const char *op, at::TensorList cores, at::TensorList gates, int64_t num_embeddings,
+              int64_t embedding_dim, int64_t padding_idx) {
+    return comera_glue::describe_embedding(op, cores, gates, num_embeddings, embedding_dim,
+                                           padding_idx, check_cpu_dtype);
 }
 
 at::Tensor as_int64(const char *op, const char *name, const at::Tensor &t) {

@@ -17,13 +17,11 @@
 #include <vector>
 
 #include "comera/cuda.h"
+#include "../tt_embedding_desc.h"
 
 namespace {
 
-struct Desc {
-    std::vector<int64_t> row_modes, dim_modes, ranks;
-    comera_tt_embedding_desc d{};
-};
+using Desc = comera_glue::EmbeddingDesc;
 
 struct Batch {
     at::Tensor indices, offsets;
@@ -53,57 +51,13 @@ int dtype_code(at::ScalarType t, const char *op) {
     return -1;
 }
 
+void check_cuda_dtype(at::ScalarType dtype, const char *op) { dtype_code(dtype, op); }
+
 Desc describe(const char *op, const std::vector<at::Tensor> &cores,
               const std::vector<at::Tensor> &gates, int64_t num_embeddings,
               int64_t embedding_dim, int64_t padding_idx) {
-    int64_t D = static_cast<int64_t>(cores.size());
-    TORCH_CHECK_VALUE(D >= 2 && D <= COMERA_MAX_CORES, op, ": expected 2 to ", COMERA_MAX_CORES,
-                      " cores, got ", D);
-    TORCH_CHECK_VALUE(static_cast<int64_t>(gates.size()) == D - 1, op, ": expected ", D - 1,
-                      " gates, got ", gates.size());
-    const auto dtype = cores[0].scalar_type();
-    const auto device = cores[0].device();
-    dtype_code(dtype, op);
-    Desc out;
-    out.ranks.push_back(1);
-    for (int64_t k = 0; k < D; k++) {
-        const at::Tensor &c = cores[k];
-        TORCH_CHECK_VALUE(c.dim() == 4, op, ": core ", k,
-                          " must be 4-D (rank, row mode, dim mode, rank), got ", c.dim(), "-D");
-        TORCH_CHECK_VALUE(c.size(0) == out.ranks.back(), op, ": core ", k, " has left rank ",
-                          c.size(0), ", expected ", out.ranks.back());
-        TORCH_CHECK_TYPE(c.scalar_type() == dtype, op, ": core ", k, " has dtype ",
-                         c.scalar_type(), ", expected ", dtype);
-        TORCH_CHECK_VALUE(c.device() == device, op, ": core ", k, " is on ", c.device(),
-                          ", expected ", device);
-        out.row_modes.push_back(c.size(1));
-        out.dim_modes.push_back(c.size(2));
-        out.ranks.push_back(c.size(3));
-        if (k < D - 1) {
-            const at::Tensor &g = gates[k];
-            TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == c.size(3), op, ": gate ", k,
-                              " must have shape (", c.size(3), ",), got ", g.sizes());
-            TORCH_CHECK_TYPE(g.scalar_type() == dtype, op, ": gate ", k, " has dtype ",
-                             g.scalar_type(), ", expected ", dtype);
-            TORCH_CHECK_VALUE(g.device() == device, op, ": gate ", k, " is on ", g.device(),
-                              ", expected ", device);
-        }
-    }
-    TORCH_CHECK_VALUE(out.ranks.back() == 1, op, ": the last core must have right rank 1, got ",
-                      out.ranks.back());
-    out.d.num_cores = static_cast<int32_t>(D);
-    out.d.row_modes = out.row_modes.data();
-    out.d.dim_modes = out.dim_modes.data();
-    out.d.ranks = out.ranks.data();
-    out.d.num_embeddings = num_embeddings;
-    out.d.embedding_dim = embedding_dim;
-    out.d.padding_idx = padding_idx;
-    int rc = comera_tt_embedding_check(&out.d);
-    TORCH_CHECK_VALUE(rc == COMERA_OK, op, ": ", error_text(rc), " (num_embeddings ",
-                      num_embeddings, ", embedding_dim ", embedding_dim, ", padding_idx ",
-                      padding_idx, ", row modes ", at::IntArrayRef(out.row_modes),
-                      ", dim modes ", at::IntArrayRef(out.dim_modes), ")");
-    return out;
+    return comera_glue::describe_embedding(op, cores, gates, num_embeddings, embedding_dim,
+                                           padding_idx, check_cuda_dtype);
 }
 
 at::Tensor as_int64(const char *op, const char *name, const at::Tensor &t,
