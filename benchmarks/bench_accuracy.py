@@ -268,7 +268,9 @@ def main(argv=None):
     defaults = {"preset": "tiny" if q else "small", "rank": 4 if q else 16,
                 "stage1": 6 if q else 500, "stage2": 6 if q else 500,
                 "targets": [8.0, 12.0] if q else TARGETS, "max_files": 200 if q else 4000,
-                "max_train": 200 if q else 24000, "max_test": 100 if q else 4000}
+                "max_train": 200 if q else 24000, "max_test": 100 if q else 4000,
+                # the best of 1e-3 / 3e-3 / 5e-3 for comera at this preset (40x: 72.3 / 76.7 / 79.1%)
+                "lr_comera": None if q else 5e-3}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
