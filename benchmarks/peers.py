@@ -1,7 +1,7 @@
 """The TT linear layers that bench_peers.py compares, built at the same shape
 and rank: comera.TTLinear, tensorly-torch's FactorizedLinear (its
 tensor-train-matrix format, "BlockTT"), the paper's pure-PyTorch scheme
-(DESIGN.md section 2) and nn.Linear.
+(docs/design.md section 2) and nn.Linear.
 
 tensorly-torch is imported lazily: it is a benchmark-only dependency
 (``pip install comera[bench]``).

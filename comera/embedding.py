@@ -91,7 +91,7 @@ def ttm_full(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> to
 
 
 class TTEmbedding(TTLayerMixin, nn.Module):
-    r"""An embedding table stored as a tensor train (DESIGN.md section 3).
+    r"""An embedding table stored as a tensor train (docs/design.md section 3).
 
     Row ``t`` has the row-major multi-index ``(i_1..i_d)`` over ``row_shape``
     and is the product of the core slices ``C_k[:, i_k]``, each of shape

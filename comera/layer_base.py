@@ -56,7 +56,7 @@ def live_ranks(layer: nn.Module) -> List[int]:
 
 
 def size_from_ranks(layer: nn.Module, ranks: List[int]) -> int:
-    """S = sum_k r_{k-1} n_k r_k for the given internal ranks (DESIGN.md section 4)."""
+    """S = sum_k r_{k-1} n_k r_k for the given internal ranks (docs/design.md section 4)."""
     full = [1] + list(ranks) + [1]
     return sum(full[k] * mode_size(c) * full[k + 1] for k, c in enumerate(layer.cores))
 

@@ -46,7 +46,7 @@ def _check_fits(in_shape, out_shape, ranks, in_features, out_features):
 
 
 class TTLinear(TTLayerMixin, nn.Module):
-    r"""``y = x W^T + b`` with ``W`` stored as a tensor train (DESIGN.md section 2).
+    r"""``y = x W^T + b`` with ``W`` stored as a tensor train (docs/design.md section 2).
 
     Args:
         in_features, out_features: as for :class:`torch.nn.Linear`.

@@ -1,6 +1,6 @@
 """Physical rank truncation: dead ranks (gate entries that are exactly 0) are
 cut out of the two cores they join and out of the gate, so they stop costing
-FLOPs and memory (DESIGN.md section 4).  The Parameter objects stay the same
+FLOPs and memory (docs/design.md section 4).  The Parameter objects stay the same
 objects (only their data shrinks), and optimizer state shaped like a pruned
 parameter (Adam/AdamW exp_avg, exp_avg_sq, max_exp_avg_sq, SGD momentum_buffer,
 ...) is cut the same way, so training simply continues."""

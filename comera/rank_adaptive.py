@@ -1,4 +1,4 @@
-"""Two-stage rank-adaptive training (DESIGN.md section 4).
+"""Two-stage rank-adaptive training (docs/design.md section 4).
 
 Stage 1 (rank discovery): ``loss = task + gamma * sum ||g||_1`` over every
 gate of every TT layer; after each optimizer step a fused proximal step (C

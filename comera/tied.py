@@ -18,7 +18,7 @@ _HALF = (torch.bfloat16, torch.float16)
 def ttm_table(cores, gates, num_embeddings: int, embedding_dim: int) -> torch.Tensor:
     """The dense ``(num_embeddings, embedding_dim)`` table of TTM ``cores``
     (each ``(r_{k-1}, v_k, e_k, r_k)``) with ``gates`` on the internal bonds
-    (DESIGN.md section 3: row and column multi-indices row-major, the first
+    (docs/design.md section 3: row and column multi-indices row-major, the first
     mode the most significant).  Differentiable in cores and gates.
 
     Example:

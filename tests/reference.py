@@ -6,7 +6,7 @@ import torch
 
 
 def dense_wt_by_entries(cores, gates, num_in, in_features, out_features):
-    """W^T built entry by entry from DESIGN.md section 2's formula (slow; for small layers)."""
+    """W^T built entry by entry from docs/design.md section 2's formula (slow; for small layers)."""
     dims = [c.shape[1] for c in cores]
     in_modes, out_modes = dims[:num_in], dims[num_in:]
     D = len(cores)

@@ -13,7 +13,7 @@ def _ravel(idx, modes):
 
 
 def dense_ttm_by_entries(cores, gates, num_embeddings, embedding_dim):
-    """The table built entry by entry from DESIGN.md section 3's formula:
+    """The table built entry by entry from docs/design.md section 3's formula:
     E[t, j] = C_1[:, i_1, j_1, :] g_1 C_2[:, i_2, j_2, :] g_2 ... (slow; small
     tables only).  Differentiable in the cores and gates."""
     rows = [c.shape[1] for c in cores]

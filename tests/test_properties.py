@@ -40,7 +40,7 @@ def _close(got, want, dtype, what):
 
 # ---------------------------------------------------------------- references
 def dense_linear_wt(cores, gates, num_in, in_features, out_features):
-    """W^T (in x out) from DESIGN.md section 2: contract the cores left to
+    """W^T (in x out) from docs/design.md section 2: contract the cores left to
     right with the gates on the bonds, row-major over (i_1..i_p, j_1..j_q)."""
     m = cores[0]                                           # (1, n_1, r_1)
     for k in range(1, len(cores)):
@@ -51,7 +51,7 @@ def dense_linear_wt(cores, gates, num_in, in_features, out_features):
 
 
 def dense_table(cores, gates, num_embeddings, embedding_dim):
-    """E (num x dim) from DESIGN.md section 3: cores (r, v, e, r'), row t over
+    """E (num x dim) from docs/design.md section 3: cores (r, v, e, r'), row t over
     (i_1..i_d) row-major, entries over (j_1..j_d) row-major."""
     m = cores[0]                                           # (1, v1, e1, r1)
     for k in range(1, len(cores)):

@@ -1,4 +1,4 @@
-"""comera.prune: physical truncation of dead ranks (DESIGN.md section 4).
+"""comera.prune: physical truncation of dead ranks (docs/design.md section 4).
 
 References: the unpruned layer with its dead gates at zero (same function),
 the dense weight built entry by entry (tests/reference.py), and optimizers

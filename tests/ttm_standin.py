@@ -1,4 +1,4 @@
-"""A minimal stand-in for a TT embedding (TTM cores and gates, DESIGN.md
+"""A minimal stand-in for a TT embedding (TTM cores and gates, docs/design.md
 section 3) and its table built entry by entry: an independent reference for
 the tied output layer that does not depend on comera.TTEmbedding."""
 import itertools
@@ -8,7 +8,7 @@ from torch import nn
 
 
 class StandInTTM(nn.Module):
-    """Cores (r_{k-1}, v_k, e_k, r_k) and gates as DESIGN.md section 3 lays them out."""
+    """Cores (r_{k-1}, v_k, e_k, r_k) and gates as docs/design.md section 3 lays them out."""
 
     def __init__(self, num, dim, vs, es, ranks):
         super().__init__()

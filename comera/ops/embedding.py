@@ -169,7 +169,7 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
                  padding_idx: Optional[int] = None, mode: Optional[str] = None,
                  include_last_offset: bool = False, reuse: str = "auto",
                  capturable: bool = False) -> torch.Tensor:
-    """Looks up rows of a TTM-format embedding table (DESIGN.md section 3).
+    """Looks up rows of a TTM-format embedding table (docs/design.md section 3).
 
     Plain mode (``mode=None``): ``input`` of any shape, output
     ``(*input.shape, embedding_dim)``.  Bag modes (``"sum"``, ``"mean"``):

@@ -71,7 +71,7 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
               path: str = "auto") -> torch.Tensor:
     """Applies a TT linear map to ``x`` of shape ``(*, in_features)``.
 
-    ``cores`` (input cores first) and ``gates`` follow DESIGN.md section 2;
+    ``cores`` (input cores first) and ``gates`` follow docs/design.md section 2;
     computation happens in the cores' dtype (a bfloat16/float16 ``x`` is
     computed in float32 and returned in its own dtype).  Under
     ``torch.autocast("cpu")`` a float32 layer computes in float32 and returns
