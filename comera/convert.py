@@ -16,8 +16,8 @@ from torch import nn
 
 from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
-from comera.tied import TiedTTLinear
-from comera.ties import group_source, hf_after_convert, hf_after_to_dense, resolve_ties
+from comera.tied_linear import TiedTTLinear
+from comera.convert_ties import group_source, hf_after_convert, hf_after_to_dense, resolve_ties
 
 logger = logging.getLogger("comera")
 
@@ -277,7 +277,7 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
             another module (e.g. BERT's ``cls.predictions.decoder`` and
             ``bert.embeddings.word_embeddings``).  ``"keep"`` (default): a tied
             group converts together or stays dense together; a Linear tied to
-            an embedding becomes a :class:`comera.tied.TiedTTLinear` that reads
+            an embedding becomes a :class:`comera.tied_linear.TiedTTLinear` that reads
             the TTEmbedding's table, so the tie holds while training.
             ``"untie"``: every layer gets its own TT weight (logged as a
             warning).  ``"skip"``: tied layers stay dense.

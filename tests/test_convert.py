@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import comera
-from comera.tied import TiedTTLinear
+from comera.tied_linear import TiedTTLinear
 from ttm_standin import StandInTTM, table_by_entries
 
 def mlp(dtype=torch.float32):

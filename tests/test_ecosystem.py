@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import comera
-from comera.tied import TiedTTLinear
+from comera.tied_linear import TiedTTLinear
 from ttm_standin import StandInTTM
 
 

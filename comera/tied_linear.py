@@ -62,7 +62,7 @@ class TiedTTLinear(nn.Module):
 
     Example:
         >>> import torch, comera
-        >>> from comera.tied import TiedTTLinear
+        >>> from comera.tied_linear import TiedTTLinear
         >>> emb = comera.TTEmbedding(100, 16, rank=4)
         >>> head = TiedTTLinear(emb, bias=torch.nn.Parameter(torch.zeros(100)))
         >>> head(torch.randn(2, 16)).shape
