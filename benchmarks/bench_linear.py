@@ -1,12 +1,14 @@
 """TTLinear forward+backward against nn.Linear and the same merge path written
 with torch.matmul, at transformer shapes (4096 rows = 32 x 128 tokens).
 
-    python benchmarks/bench_linear.py            # all cases, ~2-3 minutes
+    python benchmarks/bench_linear.py            # all cases at 1 and 2 threads, ~5 minutes
     python benchmarks/bench_linear.py --quick    # one case
 
-Writes benchmarks/results/linear_cpu.json and linear_cpu.md.  Also measures
-the machine's sgemm rate and copy bandwidth in the same run and reports each
-TTLinear case's roofline efficiency:
+Writes benchmarks/results/linear_cpu.json and linear_cpu.md.  The three
+methods are timed interleaved by wall clock (benchmarks/timing.py), at each
+thread count of --threads.  The machine record (CPU, ISA, torch's BLAS,
+sgemm and copy rates measured in the same run) gives each TTLinear case's
+roofline efficiency:
     max(plan flops / sgemm rate, plan bytes / copy bandwidth) / measured time.
 Peak memory is the growth of the process's peak RSS during one forward +
 backward, in a fresh subprocess per case.
@@ -19,9 +21,9 @@ from torch import nn
 
 import comera
 from comera import tt
-from common import (copy_bandwidth, keep_freed_memory, machine_info, peak_memory_subprocess, peak_rss_bytes,
-                    reset_peak_rss, rss_bytes,
-                    sgemm_flops, time_fn, write_results)
+from common import (keep_freed_memory, peak_memory_subprocess, peak_rss_bytes, reset_peak_rss,
+                    rss_bytes, write_results)
+from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
 RANKS = [8, 16, 30, 64]
@@ -72,71 +74,90 @@ def memory_case(case):
     print(max(0, peak_rss_bytes() - base))
 
 
+def time_case(in_f, out_f, rank, reps):
+    """fwd+bwd of nn.Linear, TTLinear and the matmul merge path, interleaved."""
+    x = torch.randn(ROWS, in_f, requires_grad=True)
+    gy = torch.randn(ROWS, out_f)
+    ttl = build("comera.TTLinear", in_f, out_f, rank)
+    methods = {"nn.Linear": step_fn(build("nn.Linear", in_f, out_f, 0), x, gy),
+               "comera.TTLinear": step_fn(ttl, x, gy),
+               "matmul merge": step_fn(build("matmul merge", in_f, out_f, rank), x, gy)}
+    return ttl, interleaved(methods, reps=reps)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--memory-case")
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    threads = [int(t) for t in str(args.threads).split(",")]
     heap_cache = keep_freed_memory()
     if args.memory_case:
+        assert_threads(threads[0])
         return memory_case(json.loads(args.memory_case))
-    flops_rate, bw = sgemm_flops(), copy_bandwidth()
+    assert_threads(max(threads))
+    machine = machine_record()
     shapes = [(768, 3072)] if args.quick else SHAPES
     ranks = [30] if args.quick else RANKS
     rows = []
-    for in_f, out_f in shapes:
-        x = torch.randn(ROWS, in_f, requires_grad=True)
-        gy = torch.randn(ROWS, out_f)
-        dense = build("nn.Linear", in_f, out_f, 0)
-        t_dense = time_fn(step_fn(dense, x, gy), reps=5)
-        m_dense = None if args.no_memory else peak_memory_subprocess(
-            "bench_linear", {"method": "nn.Linear", "in": in_f, "out": out_f, "rank": 0})
-        for rank in ranks:
-            ttl = build("comera.TTLinear", in_f, out_f, rank)
-            mm = build("matmul merge", in_f, out_f, rank)
-            t_tt = time_fn(step_fn(ttl, x, gy), reps=9)
-            t_mm = time_fn(step_fn(mm, x, gy), reps=9)
-            plan = ttl.plan(ROWS)
-            cost = plan[plan["path"]]
-            roof = max(cost["flops"] / flops_rate, cost["bytes"] / bw)
-            mem = {}
-            if not args.no_memory:
-                for method in ("comera.TTLinear", "matmul merge"):
-                    mem[method] = peak_memory_subprocess(
-                        "bench_linear", {"method": method, "in": in_f, "out": out_f, "rank": rank})
-            rows.append({
-                "in": in_f, "out": out_f, "rank": rank, "rows": ROWS, "ranks": ttl.ranks,
-                "path": plan["path"], "plan_flops": cost["flops"], "plan_bytes": cost["bytes"],
-                "time_dense_s": t_dense, "time_tt_s": t_tt, "time_matmul_merge_s": t_mm,
-                "speedup_vs_dense": t_dense / t_tt, "speedup_vs_matmul_merge": t_mm / t_tt,
-                "roofline_efficiency": roof / t_tt,
-                "peak_mem_dense_bytes": m_dense, "peak_mem_tt_bytes": mem.get("comera.TTLinear"),
-                "peak_mem_matmul_merge_bytes": mem.get("matmul merge"),
-            })
-            print(json.dumps(rows[-1]))
-    payload = {"machine": machine_info(), "glibc_keep_freed_memory": heap_cache, "sgemm_flops_per_s": flops_rate,
-               "copy_bytes_per_s": bw, "dtype": "float32", "cases": rows}
+    for nt in threads:
+        assert_threads(nt)
+        for in_f, out_f in shapes:
+            for rank in ranks:
+                ttl, t = time_case(in_f, out_f, rank, args.reps)
+                med = {m: v["wall"]["median"] for m, v in t.items()}
+                plan = ttl.plan(ROWS)
+                cost = plan[plan["path"]]
+                roof = max(cost["flops"] / machine["sgemm_flops_per_s"],
+                           cost["bytes"] / machine["copy_bytes_per_s"])
+                rows.append({
+                    "threads": nt, "in": in_f, "out": out_f, "rank": rank, "rows": ROWS,
+                    "ranks": ttl.ranks, "path": plan["path"], "plan_flops": cost["flops"],
+                    "plan_bytes": cost["bytes"], "timing": t,
+                    "time_dense_s": med["nn.Linear"], "time_tt_s": med["comera.TTLinear"],
+                    "time_matmul_merge_s": med["matmul merge"],
+                    "speedup_vs_dense": med["nn.Linear"] / med["comera.TTLinear"],
+                    "speedup_vs_matmul_merge": med["matmul merge"] / med["comera.TTLinear"],
+                    "roofline_efficiency": roof / med["comera.TTLinear"],
+                })
+                if not args.no_memory and nt == threads[0]:
+                    for method, key in (("nn.Linear", "dense"), ("comera.TTLinear", "tt"),
+                                        ("matmul merge", "matmul_merge")):
+                        rows[-1][f"peak_mem_{key}_bytes"] = peak_memory_subprocess(
+                            "bench_linear", {"method": method, "in": in_f, "out": out_f,
+                                             "rank": rank})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "timing"}))
+    finish_record(machine)
+    payload = {"machine": machine, "glibc_keep_freed_memory": heap_cache, "dtype": "float32",
+               "clock": "wall", "interleaved": True, "reps": args.reps, "cases": rows}
+    write_results("linear_cpu" if not args.quick else "linear_cpu_quick", payload,
+                  markdown(payload, args))
+
+
+def markdown(payload, args):
     mb = lambda b: "-" if b is None else f"{b / 2**20:.1f}"
     md = ["# TTLinear forward+backward, CPU, float32, 4096 rows\n",
-          f"Machine: {payload['machine']['processor']}, {args.threads} threads, torch "
-          f"{torch.__version__}; sgemm {flops_rate / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s "
-          "(measured in the same run). Freed memory stays in the heap for every method "
-          "(mallopt, as with jemalloc/tcmalloc).\n",
-          "| in -> out | rank | path | nn.Linear ms | TTLinear ms | matmul merge ms | x dense | "
-          "x matmul merge | roofline eff. | peak MB dense / TT / merge |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['in']} -> {r['out']} | {r['rank']} | {r['path']} | "
+          machine_line(payload["machine"]),
+          "Wall clock, median of the interleaved repetitions (spread in the JSON); nn.Linear, "
+          "TTLinear and the merge path in torch.matmul timed round-robin in one process. Freed "
+          "memory stays in the heap for every method (mallopt, as with jemalloc/tcmalloc).\n",
+          "| threads | in -> out | rank | path | nn.Linear ms | TTLinear ms | matmul merge ms | "
+          "x dense | x matmul merge | roofline eff. | peak MB dense / TT / merge |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["cases"]:
+        md.append(f"| {r['threads']} | {r['in']} -> {r['out']} | {r['rank']} | {r['path']} | "
                   f"{r['time_dense_s'] * 1e3:.2f} | {r['time_tt_s'] * 1e3:.2f} | "
                   f"{r['time_matmul_merge_s'] * 1e3:.2f} | {r['speedup_vs_dense']:.1f} | "
                   f"{r['speedup_vs_matmul_merge']:.2f} | {r['roofline_efficiency'] * 100:.0f}% | "
-                  f"{mb(r['peak_mem_dense_bytes'])} / {mb(r['peak_mem_tt_bytes'])} / "
-                  f"{mb(r['peak_mem_matmul_merge_bytes'])} |")
-    md.append("\nReproduce: `python benchmarks/bench_linear.py` (after `make install`).\n")
-    write_results("linear_cpu" if not args.quick else "linear_cpu_quick", payload, "\n".join(md) + "\n")
+                  f"{mb(r.get('peak_mem_dense_bytes'))} / {mb(r.get('peak_mem_tt_bytes'))} / "
+                  f"{mb(r.get('peak_mem_matmul_merge_bytes'))} |")
+    flags = " --quick" if args.quick else ""
+    md.append(f"\nReproduce: `python benchmarks/bench_linear.py --threads {args.threads}"
+              f" --reps {args.reps}{flags}` (after `make install`).\n")
+    return "\n".join(md) + "\n"
 
 
 if __name__ == "__main__":

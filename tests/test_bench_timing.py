@@ -1,0 +1,65 @@
+"""The benchmarks' timing helper (benchmarks/timing.py): interleaved rounds,
+median and spread, the machine record, and subprocess cases that really run
+with the thread count asked."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import timing  # noqa: E402
+
+
+def test_interleaved_rotates_the_order_and_counts_reps():
+    calls = []
+    methods = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    out = timing.interleaved(methods, reps=3, warmup=1)
+    assert calls[:3] == ["a", "b", "c"]  # warm-up, one each
+    assert calls[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    for name in "abc":
+        wall = out[name]["wall"]
+        assert wall["reps"] == 3
+        assert wall["min"] <= wall["median"] <= wall["max"]
+        assert wall["iqr"] >= 0
+        assert out[name]["cpu"]["reps"] == 3
+
+
+def test_interleaved_budget_stops_after_three_rounds():
+    import time
+    out = timing.interleaved({"slow": lambda: time.sleep(0.02)}, reps=50, warmup=0,
+                             budget_s=0.01)
+    assert out["slow"]["wall"]["reps"] == 3
+
+
+def test_interleaved_refuses_no_methods():
+    with pytest.raises(ValueError, match="methods"):
+        timing.interleaved({})
+
+
+def test_machine_record_has_what_a_reader_needs():
+    rec = timing.finish_record(timing.machine_record(measure=False))
+    for key in ("cpu_model", "isa", "cores", "torch", "torch_blas", "threads", "load_before",
+                "load_after"):
+        assert key in rec
+    assert rec["torch"] == torch.__version__
+    line = timing.machine_line(rec)
+    assert rec["cpu_model"] in line and "threads" in line
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_subprocess_case_runs_with_the_threads_asked(tmp_path, threads):
+    script = tmp_path / "case.py"
+    script.write_text(
+        "import argparse, json, os, timing, torch\n"
+        "ap = argparse.ArgumentParser(); ap.add_argument('--threads', type=int)\n"
+        "a = ap.parse_args(); timing.assert_threads(a.threads)\n"
+        "print(json.dumps({'torch': torch.get_num_threads(),"
+        " 'omp': os.environ['OMP_NUM_THREADS']}))\n")
+    out = timing.threaded_subprocess([str(script)], threads, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"torch": threads, "omp": str(threads)}
