@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from comera.layer_base import dense_params, mode_size, tt_layers
-from comera.ops.rank_adaptive import gate_prox_
+from comera.ops.gate_prox import gate_prox_
 from comera.prune import prune
 
 # The budget reaches the target after this fraction of stage 2; the rest of

@@ -3,7 +3,7 @@ references written here with plain torch (no comera helpers):
 
   comera::tt_linear (+ backward)      vs x @ W^T + b, W rebuilt by einsum
   comera::tt_embedding (+ backward)   vs F.embedding / F.embedding_bag on the rebuilt table
-  comera::gate_prox_                  vs the rule of rank_adaptive.h, written as a loop
+  comera::gate_prox_                  vs the C kernel's rule (csrc/gate_prox/cpu.c) as a loop
 
 over random mode sizes, ranks (including ranks above the TT bound), padded
 feature counts, dtypes (float32, float64), batch sizes (0 and 1 included),
@@ -202,7 +202,7 @@ def test_tt_embedding_out_of_range_raises(num, bad, mode, pos):
 
 # ------------------------------------------------------------------ gate_prox_
 def naive_prox(gates, signs, threshold, min_live, kill):
-    """The rule of csrc/include/comera/rank_adaptive.h, entry by entry."""
+    """The rule of the C kernel (csrc/gate_prox/cpu.c), entry by entry."""
     if any(math.isnan(v) for g in gates for v in g):
         return [-1 if any(math.isnan(v) for v in g) else 0 for g in gates], gates, signs
     live_counts, out_g, out_s = [], [], []
@@ -256,7 +256,7 @@ def prox_cases(draw):
 @given(prox_cases())
 def test_gate_prox_matches_rule(c):
     """comera::gate_prox_ gives the live counts, gates and signs of the rule
-    written out in rank_adaptive.h; a NaN anywhere changes nothing and marks
+    of the C kernel written as a loop; a NaN anywhere changes nothing and marks
     its gate -1."""
     dtype = c["dtype"]
     gates = [torch.tensor(g, dtype=dtype) for g in c["gates"]]

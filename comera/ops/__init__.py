@@ -2,6 +2,6 @@
 autograd registrations.  Importing this module loads the compiled library."""
 from comera.ops.embedding import tt_embedding, tt_embedding_plan
 from comera.ops.linear import tt_linear, tt_linear_plan
-from comera.ops.rank_adaptive import gate_prox_
+from comera.ops.gate_prox import gate_prox_
 
 __all__ = ["tt_linear", "tt_linear_plan", "tt_embedding", "tt_embedding_plan", "gate_prox_"]

@@ -1,4 +1,11 @@
-"""The comera::tt_embedding operator: fake, autograd, and a convenient wrapper."""
+"""The comera::tt_embedding operator: fake, autograd, and a convenient wrapper.
+
+Native files: ``csrc/tt_embedding/op.cpp`` (torch glue),
+``csrc/tt_embedding/cpu.c`` (the CPU kernels and the planner),
+``csrc/tt_embedding/cuda.cu`` (the CUDA kernels); the schemas of
+``comera::tt_embedding``, ``comera::tt_embedding_backward`` and
+``comera::tt_embedding_plan`` are in ``csrc/registration.cpp``.
+"""
 from typing import Optional, Sequence
 
 import torch

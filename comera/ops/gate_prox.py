@@ -1,10 +1,14 @@
 """The comera::gate_prox_ operator: the fused proximal step on TT gates.
 
-See csrc/include/comera/rank_adaptive.h for the exact rule.  The C kernel
-serves CPU tensors and, in a CUDA build, a CUDA kernel serves CUDA tensors;
-gates elsewhere go through the same rule written with torch ops below, so
-RankAdaptive works wherever the model lives.  Gates are short (one entry per
-rank), so that path costs little.
+Native files: ``csrc/gate_prox/cpu.c`` (the C kernel, which states the
+rule), ``csrc/gate_prox/op.cpp`` (torch glue), ``csrc/gate_prox/cuda.cu``
+(the CUDA kernel); the schema is in ``csrc/registration.cpp``.
+
+The rule exists once per device: the C kernel serves CPU tensors and, in a
+CUDA build, the CUDA kernel serves CUDA tensors.  Gates anywhere else (a
+CUDA tensor in a CPU-only build, another device type) are copied to the
+CPU, stepped by the C kernel and copied back: gates hold one entry per
+rank, so the copies cost little.
 """
 from typing import List, Sequence
 
@@ -18,39 +22,24 @@ def _gate_prox_fake(gates, signs, threshold, min_live, kill):
     return torch.empty(len(gates), dtype=torch.int64, device="cpu")
 
 
-def _gate_prox_torch(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor],
-                     threshold: float, min_live: int, kill: bool) -> torch.Tensor:
-    """The same rule as the C kernel, in torch ops (for non-CPU gates)."""
-    bad = [bool(torch.isnan(g).any()) for g in gates]
-    if any(bad):
-        return torch.tensor([-1 if b else 0 for b in bad], dtype=torch.int64)
-    live = []
-    with torch.no_grad():
-        for g, s in zip(gates, signs):
-            now = torch.sign(g).to(torch.int8)
-            alive = s != 0
-            if not kill:
-                s.copy_(torch.where(alive & (now != 0), now, s))
-                g.masked_fill_(~alive, 0)
-                live.append(int(alive.sum()))
-                continue
-            doomed = alive & ((g.abs() <= threshold) | (now != s))
-            survivors = int((alive & ~doomed).sum())
-            if survivors < min_live:
-                cand = torch.where(doomed & (g != 0), g.abs(), torch.zeros_like(g))
-                need = min(min_live - survivors, int((cand > 0).sum()))
-                if need > 0:
-                    doomed[torch.topk(cand, need).indices] = False
-            keep = alive & ~doomed
-            g.masked_fill_(~keep, 0)
-            s.copy_(torch.where(keep, now, torch.zeros_like(s)))
-            live.append(int(keep.sum()))
-    return torch.tensor(live, dtype=torch.int64)
+def _has_kernel(device: torch.device) -> bool:
+    """Whether this build registered a comera::gate_prox_ kernel for ``device``."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "comera::gate_prox_", "CUDA")
 
 
-def _has_cuda_kernel() -> bool:
-    """Whether this build registered the CUDA kernel of comera::gate_prox_."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("comera::gate_prox_", "CUDA")
+@torch.no_grad()
+def _via_cpu(gates: List[torch.Tensor], signs: List[torch.Tensor], *args) -> torch.Tensor:
+    """Runs the C kernel on CPU copies of the group and writes the result back."""
+    g_cpu = [g.cpu().contiguous() for g in gates]
+    s_cpu = [s.cpu().contiguous() for s in signs]
+    live = torch.ops.comera.gate_prox_(g_cpu, s_cpu, *args)
+    if not bool((live < 0).any()):  # on a NaN the kernel changed nothing
+        for dst, src in zip(gates + signs, g_cpu + s_cpu):
+            dst.copy_(src)
+    return live
 
 
 def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], threshold: float,
@@ -87,15 +76,15 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
         bad = [bool(torch.isnan(g).any()) for g in gates]
         if any(bad):
             return torch.tensor([-1 if b else 0 for b in bad], dtype=torch.int64)
+    args = (float(threshold), int(min_live), bool(kill))
     live = torch.empty(len(gates), dtype=torch.int64)
     for (device, _), idx in groups.items():
         gs, ss = [gates[i] for i in idx], [signs[i] for i in idx]
-        if device.type == "cpu" or (device.type == "cuda" and _has_cuda_kernel()):
+        if _has_kernel(device):
             with torch.no_grad():
-                out = torch.ops.comera.gate_prox_(gs, ss, float(threshold), int(min_live),
-                                                  bool(kill))
+                out = torch.ops.comera.gate_prox_(gs, ss, *args)
         else:
-            out = _gate_prox_torch(gs, ss, float(threshold), int(min_live), bool(kill))
+            out = _via_cpu(gs, ss, *args)
         live[idx] = out.cpu()
     return live
 
