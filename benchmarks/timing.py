@@ -94,12 +94,18 @@ def isa_flags() -> List[str]:
 
 
 def torch_blas() -> str:
-    """The BLAS and CPU capability lines of ``torch.__config__.show()``."""
+    """torch's BLAS, as ``torch.__config__.show()`` names it: the library
+    lines (MKL, oneDNN, OpenBLAS), the CPU capability in use, and the
+    BLAS_INFO / LAPACK_INFO build settings."""
     keep = []
     for line in torch.__config__.show().splitlines():
-        low = line.lower()
-        if any(k in low for k in ("blas", "mkl", "lapack", "cpu capability", "onednn", "mkldnn")):
-            keep.append(line.strip(" -"))
+        line = line.strip(" -")
+        if line.startswith("Build settings:"):
+            keep += [kv.strip() for kv in line[len("Build settings:"):].split(",")
+                     if kv.strip().startswith(("BLAS_INFO=", "LAPACK_INFO="))]
+        elif any(k in line for k in ("Math Kernel Library", "MKL-DNN", "OpenBLAS",
+                                     "CPU capability")):
+            keep.append(line)
     return "; ".join(keep)
 
 
@@ -143,7 +149,7 @@ def finish_record(rec: Dict[str, object]) -> Dict[str, object]:
 def machine_line(rec: Dict[str, object]) -> str:
     """One Markdown line describing the machine record."""
     parts = [f"{rec['cpu_model']} ({rec['cores']} cores; {', '.join(rec['isa']) or 'no ISA flags read'})",
-             f"{rec['threads']} threads", f"torch {rec['torch']}"]
+             f"{rec['threads']} threads", f"torch {rec['torch']} ({rec['torch_blas']})"]
     if "sgemm_flops_per_s" in rec:
         parts.append(f"sgemm {rec['sgemm_flops_per_s'] / 1e9:.0f} GFLOP/s, "
                      f"copy {rec['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured in this run)")
