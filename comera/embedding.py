@@ -192,7 +192,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
             torch.ops.comera.tt_embedding_plan(
                 torch.empty(0, dtype=torch.int64), None, list(self.row_shape),
                 list(self.dim_shape), full, self.num_embeddings, self.embedding_dim, -1, 0)
-        except (ValueError, RuntimeError) as err:
+        except ValueError as err:
             raise ValueError(f"TTEmbedding: shape ({self.row_shape}, {self.dim_shape}) and ranks "
                              f"{ranks} give sizes the kernels cannot index with int64 "
                              f"({str(err).splitlines()[0]})") from None

@@ -39,7 +39,7 @@ def _check_fits(in_shape, out_shape, ranks, in_features, out_features):
                         "in_shape, out_shape and rank")
     try:
         tt_linear_plan(in_shape, out_shape, full, in_features, out_features, 1)
-    except (ValueError, RuntimeError) as err:
+    except ValueError as err:
         raise ValueError(f"TTLinear: in_shape {in_shape}, out_shape {out_shape} and ranks {ranks} "
                          f"give sizes the kernels cannot index with int64 "
                          f"({str(err).splitlines()[0]})") from None

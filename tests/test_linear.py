@@ -220,7 +220,7 @@ def test_op_level_bad_arguments_raise_not_crash():
         torch.ops.comera.tt_linear(x, cores, gates, None, 2, 8, 7)
     with pytest.raises(RuntimeError):
         torch.ops.comera.tt_linear(torch.randn(3, 13), cores, gates, None, 2, 8, 0)
-    with pytest.raises(RuntimeError, match="overflow"):
+    with pytest.raises(ValueError, match="overflow"):  # TORCH_CHECK_VALUE in the planner
         torch.ops.comera.tt_linear_plan([1 << 40, 1 << 40], [2], [1, 1, 1, 1], 4, 2, 1)
 
 

@@ -270,9 +270,15 @@ def tt_embedding_plan(input: torch.Tensor, row_shape: Sequence[int], dim_shape: 
         (3, [2, 3])
     """
     _check_indices("input", input)
-    v = torch.ops.comera.tt_embedding_plan(
-        input.reshape(-1), None, list(row_shape), list(dim_shape), list(ranks), num_embeddings,
-        embedding_dim, -1 if padding_idx is None else padding_idx, 0).tolist()
+    try:
+        v = torch.ops.comera.tt_embedding_plan(
+            input.reshape(-1), None, list(row_shape), list(dim_shape), list(ranks),
+            num_embeddings, embedding_dim, -1 if padding_idx is None else padding_idx, 0).tolist()
+    except ValueError as err:
+        # the native planner reports overflowing sizes as ValueError; name the arguments
+        raise ValueError(f"tt_embedding_plan: row_shape {list(row_shape)}, dim_shape "
+                         f"{list(dim_shape)} and ranks {list(ranks)} give sizes that overflow "
+                         f"int64 ({str(err).splitlines()[0]})") from None
     names = ("none", "dedup", "prefix")
     return {
         "reuse": REUSE_NAMES[int(v[0])],

@@ -125,13 +125,11 @@ def tt_linear_plan(in_modes: List[int], out_modes: List[int], ranks: List[int],
     try:
         v = torch.ops.comera.tt_linear_plan(list(in_modes), list(out_modes), list(ranks),
                                             in_features, out_features, batch).tolist()
-    except RuntimeError as err:
-        if "overflow" not in str(err):
-            raise
-        # bad sizes are a ValueError that names the arguments, not an internal error
+    except ValueError as err:
+        # the native planner reports overflowing sizes as ValueError; name the arguments
         raise ValueError(f"tt_linear_plan: in_modes {list(in_modes)}, out_modes "
                          f"{list(out_modes)}, ranks {list(ranks)} and batch {batch} give sizes "
-                         "that overflow int64") from None
+                         f"that overflow int64 ({str(err).splitlines()[0]})") from None
     return {
         "path": PATH_NAMES[int(v[0])],
         "batch": batch,
