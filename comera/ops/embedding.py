@@ -53,52 +53,21 @@ def _psw_grad(indices, offsets, cores, gates, grad, args):
     return (rows * grad[bag]).sum(-1)
 
 
-def _grads(ctx, grad, psw_needs_grad):
+def _backward(ctx, grad):
     """Core, gate and per-sample-weight gradients from the saved tensors."""
     indices, offsets, psw, *rest = ctx.saved_tensors
     cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
     grad = grad.contiguous()
     gcores, ggates = torch.ops.comera.tt_embedding_backward(
         grad, indices, offsets, psw, cores, gates, *ctx.args)
-    gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) if psw_needs_grad else None
-    return list(gcores), list(ggates), gpsw
-
-
-def _backward(ctx, grad):
-    gcores, ggates, gpsw = _grads(ctx, grad, ctx.needs_input_grad[2])
+    gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) \
+        if ctx.needs_input_grad[2] else None
     return (None, None, gpsw, gcores, ggates, None, None, None, None, None)
 
 
+# The one autograd path of the op: eager calls, the module and torch.compile
+# all go through it.
 torch.library.register_autograd("comera::tt_embedding", _backward, setup_context=_setup_context)
-
-
-class _Lookup(torch.autograd.Function):
-    """The same forward and backward ops as the registered autograd above,
-    for the module's calls: the generic wrapper of register_autograd walks
-    the core and gate lists with pytree on every call, which costs more than
-    a small lookup itself.  Cores and gates come in as separate arguments."""
-
-    @staticmethod
-    def forward(ctx, indices, offsets, psw, args, num_cores, *params):
-        cores, gates = list(params[:num_cores]), list(params[num_cores:])
-        ctx.save_for_backward(indices, offsets, psw, *params)
-        ctx.num_cores = num_cores
-        ctx.args = args
-        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
-
-    @staticmethod
-    def backward(ctx, grad):
-        gcores, ggates, gpsw = _grads(ctx, grad, ctx.needs_input_grad[2])
-        return (None, None, gpsw, None, None, *gcores, *ggates)
-
-
-def _lookup(indices, offsets, psw, cores, gates, *args):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (*cores, *gates)):
-        return _Lookup.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
-    if psw is not None and psw.requires_grad and torch.is_grad_enabled():
-        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
-    with torch.no_grad():
-        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
 
 
 def _check_indices(name: str, t) -> torch.Tensor:
@@ -215,8 +184,8 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
             raise ValueError("offsets and per_sample_weights are only valid in bag modes "
                              "(mode='sum' or 'mean')")
         _check_on_device(capturable, input, None, num_embeddings)
-        out = _lookup(input.reshape(-1), None, None, cores, gates, num_embeddings,
-                      embedding_dim, pad, 0, REUSE[reuse])
+        out = torch.ops.comera.tt_embedding(input.reshape(-1), None, None, cores, gates,
+                                            num_embeddings, embedding_dim, pad, 0, REUSE[reuse])
         return out.reshape(*input.shape, embedding_dim)
     if input.dim() == 2:
         if offsets is not None:
@@ -252,8 +221,9 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
                              f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
         per_sample_weights = per_sample_weights.to(cores[0].dtype)
     _check_on_device(capturable, input, offsets, num_embeddings)
-    return _lookup(input, offsets, per_sample_weights, cores, gates, num_embeddings,
-                   embedding_dim, pad, MODES[mode], REUSE[reuse])
+    return torch.ops.comera.tt_embedding(input, offsets, per_sample_weights, cores, gates,
+                                         num_embeddings, embedding_dim, pad, MODES[mode],
+                                         REUSE[reuse])
 
 
 def tt_embedding_plan(input: torch.Tensor, row_shape: Sequence[int], dim_shape: Sequence[int],
