@@ -10,14 +10,13 @@ import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from comera import _C  # noqa: F401  (loads and registers the operators)
 from comera import ops
-from comera.checkpoint import load_state_dict
 from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
 from comera.prune import prune
 from comera.rank_adaptive import RankAdaptive
 from comera.summary import compression, summary
 from comera.convert import convert, to_dense
-from comera.io import load, save
+from comera.persistence import load, load_state_dict, save
 
 __version__ = "0.1.0"
 __all__ = ["TTLinear", "TTEmbedding", "RankAdaptive", "prune", "summary", "compression",

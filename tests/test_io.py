@@ -49,7 +49,7 @@ def test_file_is_plain_safetensors_with_ranks_in_the_metadata(tmp_path):
     assert layers["2"]["live_ranks"] == live
     assert layers["2"]["modes"] == [list(c.shape[1:-1]) for c in net[2].cores]
     assert meta["step"] == "100"
-    assert comera.io.read_metadata(path)["user"] == {"format": "pt", "step": "100"}
+    assert comera.persistence.read_metadata(path)["user"] == {"format": "pt", "step": "100"}
 
 
 def test_load_takes_the_checkpoint_ranks(tmp_path):
@@ -91,7 +91,7 @@ def test_tied_weights_are_stored_once_and_come_back_tied(tmp_path):
     comera.convert(net, rank=4, include="3")
     path = tmp_path / "tied.safetensors"
     comera.save(net, path)
-    meta = comera.io.read_metadata(path)
+    meta = comera.persistence.read_metadata(path)
     assert meta["aliases"] == {"2.weight": "0.weight"}
     torch.manual_seed(5)
     a2, b2 = nn.Linear(64, 64), nn.Linear(64, 64)

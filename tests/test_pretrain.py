@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers", reason="comera pretrain needs the train extra"
 
 import comera  # noqa: E402
 from comera.__main__ import main  # noqa: E402
-from comera.pretrain import checkpoint as ckpt  # noqa: E402
+from comera import persistence  # noqa: E402
 from comera.pretrain import corpus as corpus_mod  # noqa: E402
 from comera.pretrain import data as data_mod  # noqa: E402
 from comera.pretrain import tokenizer as tok_mod  # noqa: E402
@@ -246,15 +246,14 @@ def test_resize_then_load_restores_a_smaller_rank_model():
     assert small.ranks != big.ranks
     wrap_small, wrap_big = nn.Sequential(small), nn.Sequential(big)
     params_before = [id(p) for p in wrap_big.parameters()]
-    ckpt.resize_tt_to(wrap_big, wrap_small.state_dict())
-    wrap_big.load_state_dict(wrap_small.state_dict())
+    comera.load_state_dict(wrap_big, wrap_small.state_dict())
     assert [id(p) for p in wrap_big.parameters()] == params_before
     assert big.ranks == [2, 3, 4, 3, 2]
     x = torch.randn(5, 64)
     torch.testing.assert_close(big(x), small(x))
     other_modes = nn.Sequential(comera.TTLinear(64, 48, rank=4, in_shape=[8, 8], out_shape=[6, 8]))
-    with pytest.raises(ValueError, match="cannot take|no "):
-        ckpt.resize_tt_to(other_modes, wrap_small.state_dict())
+    with pytest.raises(ValueError, match="does not fit TTLinear '0'"):
+        comera.load_state_dict(other_modes, wrap_small.state_dict())
 
 
 # ------------------------------------------------------------ end to end
@@ -326,7 +325,7 @@ def test_max_minutes_stops_cleanly_and_reports(code_dir, tmp_path):
     m = _check_complete_report(out, ["dense"])
     r = m["methods"]["dense"]
     assert r["stopped"] == "time budget (--max-minutes)" and r["steps_done"] < 1000
-    state = ckpt.load(os.path.join(out, "dense", "checkpoint.pt"))
+    state = persistence.load_training_state(os.path.join(out, "dense", "checkpoint.pt"))
     assert state["step"] == r["steps_done"] and not state["finished"]
 
 
@@ -383,11 +382,10 @@ def _fresh_comera(out):
     p = preset(cfg["preset_name"])
     for k, v in cfg["preset"].items():
         setattr(p, k, v)
-    state = ckpt.load(os.path.join(out, "comera", "checkpoint.pt"))
+    state = persistence.load_training_state(os.path.join(out, "comera", "checkpoint.pt"))
     vocab = json.load(open(os.path.join(out, "tokenizer_meta.json")))["vocab_size"]
     model = build_comera(p, vocab, cfg["seed"])
-    ckpt.resize_tt_to(model, state["model"])
-    model.load_state_dict(state["model"])
+    comera.load_state_dict(model, state["model"])
     return model, state, p, cfg
 
 
@@ -436,7 +434,7 @@ def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_ru
     common = ["--corpus", code_dir, "--method", "comera", *BOTH_RUN]
     straight, split = both_run, str(tmp_path / "split")
     assert run_cli("--out", split, "--stop-after", "7", *common) == 0
-    state = ckpt.load(os.path.join(split, "comera", "checkpoint.pt"))
+    state = persistence.load_training_state(os.path.join(split, "comera", "checkpoint.pt"))
     assert state["step"] == 7 and state["controller"] is not None
     first = load_metrics(split)["methods"]["comera"]
     initial = {n: series[0] for n, series in first["history"]["ranks"]["layers"].items()}
@@ -453,7 +451,7 @@ def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_ru
 
 # ----------------------------------------------------------- docstrings
 @pytest.mark.parametrize("module", ["corpus", "data", "model", "tokenizer", "monitor", "plots", "train",
-                                    "checkpoint", "report", "run", "cli"])
+                                    "report", "run", "cli"])
 def test_docstring_examples_run(module):
     import importlib
     mod = importlib.import_module(f"comera.pretrain.{module}")

@@ -198,7 +198,7 @@ def test_load_state_dict_argument_errors():
 
 # -------------------------------------------------- docstring examples
 @pytest.mark.parametrize("module", ["comera.layer_base", "comera.prune", "comera.summary",
-                                    "comera.checkpoint", "comera.rank_adaptive",
+                                    "comera.persistence", "comera.rank_adaptive",
                                     "comera.ops.gate_prox"])
 def test_docstring_examples_run(module):
     with warnings.catch_warnings():

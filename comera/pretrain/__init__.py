@@ -3,7 +3,7 @@ Python source, dense against CoMERA (needs the ``train`` extra).
 
 Modules: corpus (files and the split), tokenizer (byte-level BPE + cache),
 data (blocks, batch order, masking), model (presets, RoBERTa, conversion),
-train (the loop), checkpoint, monitor (progress, memory, Ctrl-C), report,
+train (the loop; its checkpoints go through comera.persistence), monitor (progress, memory, Ctrl-C), report,
 plots, run (the whole job), cli (flags).
 
 Example:

@@ -11,7 +11,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from comera.atomic import atomic_write
+from comera.persistence import atomic_write
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 BOS, PAD, EOS, UNK, MASK = range(5)

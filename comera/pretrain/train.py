@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comera.pretrain import checkpoint as ckpt
+from comera import persistence
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
 from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
@@ -115,7 +115,7 @@ def _record_structure(history: dict, model: nn.Module, step: int, controller) ->
     history["compression"].append([step, conv])
     history["whole_compression"].append([step, whole])
     history["stage"].append([step, stage_name(controller)])
-    ranks = ckpt.tt_live_ranks(model)
+    ranks = persistence.tt_live_ranks(model)
     if ranks:
         history["ranks"]["step"].append(step)
         for name, r in ranks.items():
@@ -157,14 +157,13 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     totals = {"train_time_s": 0.0, "wall_time_s": 0.0, "tokens": 0, "peak_memory_bytes": 0,
               "peak_memory_growth_bytes": 0}
     if resume and os.path.exists(path):
-        state = ckpt.load(path)
-        ckpt.resize_tt_to(model, state["model"])
-        model.load_state_dict(state["model"])
+        state = persistence.load_training_state(path)
+        persistence.load_state_dict(model, state["model"])  # pruned TT layers resize first
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         if controller is not None:
             controller.load_state_dict(state["controller"])
-        ckpt.set_rng_state(state["rng"])
+        persistence.set_rng_state(state["rng"])
         step, history, totals = state["step"], state["history"], state["totals"]
         log(f"{method}: resumed from {path} at step {step}")
     else:
@@ -185,12 +184,13 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
         totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
                                                  peak - memory.baseline)
-        ckpt.save(path, {
+        persistence.save_training_state(path, {
             "method": method, "step": step, "model": model.state_dict(),
-            "tt_ranks": ckpt.tt_shapes(model), "optimizer": optimizer.state_dict(),
+            "tt_ranks": persistence.tt_shapes(model), "optimizer": optimizer.state_dict(),
             "schedule": schedule.state_dict(),
             "controller": controller.state_dict() if controller is not None else None,
-            "rng": ckpt.rng_state(), "history": history, "totals": totals, "preset": asdict(p),
+            "rng": persistence.rng_state(), "history": history, "totals": totals,
+            "preset": asdict(p),
             "finished": step >= p.steps})
 
     while step < p.steps:
@@ -273,7 +273,7 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         "train_time_s": totals["train_time_s"], "wall_time_s": totals["wall_time_s"],
         "peak_memory_bytes": totals["peak_memory_bytes"], "peak_memory_kind": memory.kind,
         "peak_memory_growth_bytes": totals["peak_memory_growth_bytes"],
-        "final_ranks": ckpt.tt_live_ranks(model), "summary": summary, "history": history,
+        "final_ranks": persistence.tt_live_ranks(model), "summary": summary, "history": history,
     }
     del model, optimizer, schedule, controller
     release_memory()
