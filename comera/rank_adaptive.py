@@ -25,7 +25,13 @@ Stage 2 (reach the target): a size controller drives the live size
 
 Without ``target_compression``, stage 2 is fine-tuning with frozen ranks.
 With a target, no step of either stage takes the model beyond it (deaths
-that would overshoot are undone, the largest contributions first).
+that would overshoot are undone, the largest gates first).
+
+Who decides what: the proximal kernel proposes the threshold / sign-flip
+deaths; :class:`comera.rank_controller.RankController` (no torch, plain
+numbers) sets the budget and ``lam`` and decides which proposed deaths to
+undo and which ranks to kill besides; :meth:`RankAdaptive._commit` writes
+its decision into the gates and signs.
 """
 import math
 import warnings
@@ -37,16 +43,7 @@ from torch import nn
 from comera.layer_base import dense_params, mode_size, tt_layers
 from comera.ops.gate_prox import gate_prox_
 from comera.prune import prune
-
-# The budget reaches the target after this fraction of stage 2; the rest of
-# stage 2 fine-tunes at the final ranks.
-_REACH_FRACTION = 0.5
-# Multiplicative dual-ascent gain: lam *= exp(_DUAL_GAIN * (S / S_t - 1)).
-_DUAL_GAIN = 0.05
-_LAMBDA_RANGE = (1e-3, 1e3)  # lam stays within this factor range of its start
-# Deaths never take the size below S* / (1 + _UNDERSHOOT): compression at
-# most 3% above the target.
-_UNDERSHOOT = 0.03
+from comera.rank_controller import Decision, Proposal, RankController, Scores, tt_size
 
 
 def _check_number(name: str, value, low: float, *, strict: bool = False) -> float:
@@ -127,10 +124,10 @@ class RankAdaptive:
                           "only counts steps)", stacklevel=2)
         self._dense = sum(dense_params(layer) for _, layer in self._layers)
         self._step = 0
-        self._lam = 0.0
-        self._lam0 = 0.0
-        self._frozen = False  # set once the target is reached
-        self._size_start: Optional[int] = None  # S when stage 2 began
+        target_size = None if target_compression is None else self._dense / target_compression
+        self._ctl = RankController(gamma=self.gamma, stage1_steps=self.stage1_steps,
+                                   stage2_steps=self.stage2_steps, target_size=target_size,
+                                   min_rank=self.min_rank)
         self._signs: List[torch.Tensor] = []
         self._sync_signs(force=True)
 
@@ -138,16 +135,12 @@ class RankAdaptive:
     @property
     def stage(self) -> int:
         """1 during the first ``stage1_steps`` steps, 2 afterwards."""
-        return 1 if self._step < self.stage1_steps else 2
+        return self._ctl.stage(self._step)
 
     @property
     def frozen(self) -> bool:
         """True once ranks no longer change (target reached, or stage 2 without a target)."""
-        if not self._layers:
-            return True
-        if self._frozen:
-            return True
-        return self.stage == 2 and self.target_compression is None
+        return not self._layers or self._ctl.ranks_frozen(self._step)
 
     @property
     def steps(self) -> int:
@@ -166,9 +159,9 @@ class RankAdaptive:
             return
         self._signs = [torch.sign(g.detach()).to(torch.int8).contiguous() for g in gates]
 
-    def _bond_index(self) -> List[Tuple[int, int]]:
-        """(layer index, bond) of every gate, in _gates() order."""
-        return [(i, k) for i, (_, layer) in enumerate(self._layers) for k in range(len(layer.gates))]
+    # The numbers the controller works on: mode sizes per core, live ranks per bond.
+    def _shapes(self) -> List[List[int]]:
+        return [[mode_size(c) for c in layer.cores] for _, layer in self._layers]
 
     def _live(self) -> List[List[int]]:
         out, j = [], 0
@@ -178,29 +171,13 @@ class RankAdaptive:
             j += n
         return out
 
-    def _size(self, live: List[List[int]]) -> int:
-        total = 0
-        for (_, layer), ranks in zip(self._layers, live):
-            full = [1] + ranks + [1]
-            total += sum(full[k] * mode_size(c) * full[k + 1] for k, c in enumerate(layer.cores))
-        return total
-
-    def _rank_cost(self, li: int, k: int, live: List[List[int]]) -> int:
-        """Parameters one live rank of bond k of layer li costs (both cores it joins)."""
-        cores = self._layers[li][1].cores
-        full = [1] + live[li] + [1]
-        return full[k] * mode_size(cores[k]) + mode_size(cores[k + 1]) * full[k + 2]
-
     def compression(self) -> float:
         """Dense parameters of the TT layers over their live TT parameters (1.0 without TT layers)."""
         if not self._layers:
             return 1.0
         self._sync_signs()
-        size = self._size(self._live())
+        size = tt_size(self._shapes(), self._live())
         return self._dense / size if size else float("inf")
-
-    def _target_size(self) -> float:
-        return self._dense / self.target_compression
 
     # ----------------------------------------------------------- penalty
     def penalty(self) -> torch.Tensor:
@@ -222,11 +199,8 @@ class RankAdaptive:
                 return zero
             return self.gamma * sum(g.abs().sum() for g in gates)
         self._sync_signs()
-        live = self._live()
-        costs = [self._rank_cost(li, k, live) for li, k in self._bond_index()]
-        mean = sum(costs) / len(costs)
-        lam = self._lam if self._size_start is not None else self.gamma
-        return lam * sum((c / mean) * g.abs().sum() for c, g in zip(costs, gates))
+        lam, weights = self._ctl.penalty_weights(self._shapes(), self._live())
+        return lam * sum(w * g.abs().sum() for w, g in zip(weights, gates))
 
     # -------------------------------------------------------------- step
     def step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -242,135 +216,66 @@ class RankAdaptive:
         self._sync_signs()
         gates = self._gates()
         kill = not self.frozen
-        guard = kill and self.target_compression is not None
-        before = [g.detach().clone() for g in gates] if guard else None
-        signs_before = [s.clone() for s in self._signs] if guard else None
+        # with a target, the controller reviews the kernel's deaths and may add its own
+        review = kill and self._ctl.target_size is not None
+        before = [g.detach().clone() for g in gates] if review else None
+        signs_before = [s.clone() for s in self._signs] if review else None
         live = gate_prox_([g.data for g in gates], self._signs, self.threshold,
                           self.min_rank, kill)
-        bad = [i for i, v in enumerate(live.tolist()) if v < 0]
-        if bad:
-            li, k = self._bond_index()[bad[0]]
-            name = self._layers[li][0] or "<model>"
-            raise ValueError(f"RankAdaptive.step: gate {k} of layer '{name}' contains NaN "
-                             "(no gate was changed; check the learning rate and the loss)")
-        if guard:
-            self._undo_overshoot(before, signs_before)
-        if self.target_compression is not None and not self._frozen:
-            self._control()
+        self._raise_on_nan(live.tolist())
+        if review:
+            died = [(sb != 0) & (s == 0) & (b != 0)
+                    for sb, s, b in zip(signs_before, self._signs, before)]
+            proposals = [Proposal(gi, j, float(before[gi][j].abs()))
+                         for gi, d in enumerate(died) for j in torch.nonzero(d).flatten().tolist()]
+            decision = self._ctl.decide(self._step, self._shapes(), self._live(), proposals,
+                                        lambda: self._scores(before, died))
+            self._commit(decision, before)
         self._step += 1
         if self.prune_every is not None and self._step % self.prune_every == 0:
             prune(self.model, optimizer)
             self._sync_signs()
 
+    def _raise_on_nan(self, live: List[int]) -> None:
+        bad = [i for i, v in enumerate(live) if v < 0]
+        if bad:
+            li, k = [(i, k) for i, (_, layer) in enumerate(self._layers)
+                     for k in range(len(layer.gates))][bad[0]]
+            name = self._layers[li][0] or "<model>"
+            raise ValueError(f"RankAdaptive.step: gate {k} of layer '{name}' contains NaN "
+                             "(no gate was changed; check the learning rate and the loss)")
+
     @torch.no_grad()
-    def _contributions(self) -> List[torch.Tensor]:
-        """|g_j| * ||left slice j|| * ||right slice j|| per gate entry: the size of
-        rank j's contribution, whatever the split of scale between gate and cores."""
-        out = []
+    def _scores(self, before: List[torch.Tensor], died: List[torch.Tensor]) -> Scores:
+        """Per bond, entry -> |g_j| * ||left slice j|| * ||right slice j|| for
+        the live entries and this step's deaths (at their value before the
+        step): the size of rank j's contribution, whatever the split of scale
+        between gate and cores."""
+        out, gi = [], 0
         for _, layer in self._layers:
             cores = list(layer.cores)
             for k, g in enumerate(layer.gates):
                 left = cores[k].detach().reshape(-1, cores[k].shape[-1]).norm(dim=0)
                 right = cores[k + 1].detach().reshape(cores[k + 1].shape[0], -1).norm(dim=1)
-                out.append((g.detach().abs() * left * right).double().cpu())
+                value = torch.where(died[gi], before[gi], g.detach())
+                contrib = (value.abs() * left * right).double().cpu().tolist()
+                keep = ((self._signs[gi] != 0) | died[gi]).cpu()
+                out.append({j: contrib[j] for j in torch.nonzero(keep).flatten().tolist()})
+                gi += 1
         return out
 
     @torch.no_grad()
-    def _undo_overshoot(self, before: List[torch.Tensor], signs_before: List[torch.Tensor]) -> None:
-        """Revives this step's deaths, largest contribution first, while the
-        size is below S* / (1 + _UNDERSHOOT)."""
-        floor = self._target_size() / (1.0 + _UNDERSHOOT)
-        live = self._live()
-        size = self._size(live)
-        if size >= floor:
-            return
-        contrib = self._contributions()
-        victims = []
-        for gi, (li, k) in enumerate(self._bond_index()):
-            died = (signs_before[gi] != 0) & (self._signs[gi] == 0) & (before[gi] != 0)
-            for j in torch.nonzero(died).flatten().tolist():
-                victims.append((float(contrib[gi][j]) if contrib[gi][j] > 0 else
-                                float(before[gi][j].abs()), gi, li, k, j))
+    def _commit(self, decision: Decision, before: List[torch.Tensor]) -> None:
+        """Writes the controller's decision: revived entries get back their
+        value before the step, killed ones become 0; signs follow."""
         gates = self._gates()
-        for _, gi, li, k, j in sorted(victims, reverse=True):
-            if size >= floor:
-                break
-            size += self._rank_cost(li, k, live)
-            live[li][k] += 1
+        for gi, j in decision.revive:
             value = before[gi][j]
             gates[gi].data[j] = value
             self._signs[gi][j] = 1 if value > 0 else -1
-
-    def _budget(self, t: int) -> float:
-        """The size allowed after stage-2 step t (0-based): cubic from the start size to S*."""
-        target = self._target_size()
-        reach = max(1, math.ceil(self.stage2_steps * _REACH_FRACTION))
-        frac = min(1.0, (t + 1) / reach)
-        return target + (self._size_start - target) * (1.0 - frac) ** 3
-
-    @torch.no_grad()
-    def _control(self) -> None:
-        """Stage-2 size controller (and the target check of stage 1)."""
-        target = self._target_size()
-        live = self._live()
-        size = self._size(live)
-        if size <= target:
-            self._frozen = True
-            return
-        if self.stage != 2:
-            return
-        if self._size_start is None:
-            self._size_start = size
-            self._lam0 = self._lam = self.gamma if self.gamma > 0 else 1e-4
-        t = self._step - self.stage1_steps
-        budget = self._budget(t)
-        ratio = size / budget - 1.0
-        lo, hi = (self._lam0 * r for r in _LAMBDA_RANGE)
-        self._lam = min(hi, max(lo, self._lam * math.exp(_DUAL_GAIN * ratio)))
-        if size > budget:
-            self._kill_down_to(budget, live, size, final=budget <= target)
-
-    @torch.no_grad()
-    def _kill_down_to(self, budget: float, live: List[List[int]], size: int, final: bool) -> None:
-        """Greedy kills of the cheapest ranks (least contribution per parameter
-        saved) until size <= budget, never below S* / (1 + _UNDERSHOOT).  When
-        ``final`` and no allowed kill remains, takes the one kill that lands
-        closest to S* if it beats stopping, then freezes."""
-        target = self._target_size()
-        floor = target / (1.0 + _UNDERSHOOT)
-        contrib = self._contributions()
-        bonds = self._bond_index()
-        gates = self._gates()
-        while size > budget:
-            best = None  # (score, gi, li, k, j, cost)
-            closest = None  # (|log(size'/S*)|, gi, li, k, j, cost)
-            for gi, (li, k) in enumerate(bonds):
-                if live[li][k] <= self.min_rank:
-                    continue
-                cost = self._rank_cost(li, k, live)
-                alive = torch.nonzero(self._signs[gi].cpu() != 0).flatten()
-                vals = contrib[gi][alive]
-                j = int(alive[int(torch.argmin(vals))])
-                score = float(contrib[gi][j]) / cost
-                if size - cost >= floor:
-                    if best is None or score < best[0]:
-                        best = (score, gi, li, k, j, cost)
-                else:
-                    miss = abs(math.log((size - cost) / target)) if size > cost else math.inf
-                    if closest is None or miss < closest[0]:
-                        closest = (miss, gi, li, k, j, cost)
-            if best is None:
-                if final and closest is not None and closest[0] < abs(math.log(size / target)):
-                    best = (0.0,) + closest[1:]
-                else:
-                    break
-            _, gi, li, k, j, cost = best
+        for gi, j in decision.kill:
             gates[gi].data[j] = 0
             self._signs[gi][j] = 0
-            live[li][k] -= 1
-            size -= cost
-        if final:
-            self._frozen = True
 
     # ------------------------------------------------------- checkpoints
     def state_dict(self) -> Dict[str, object]:
@@ -378,10 +283,10 @@ class RankAdaptive:
         that a resumed run continues in the same stage with the same ranks."""
         return {
             "step": self._step,
-            "frozen": self._frozen,
-            "lam": self._lam,
-            "lam0": self._lam0,
-            "size_start": self._size_start,
+            "frozen": self._ctl.frozen,
+            "lam": self._ctl.lam,
+            "lam0": self._ctl.lam0,
+            "size_start": self._ctl.size_start,
             "signs": [s.clone() for s in self._signs],
             "config": {"gamma": self.gamma, "threshold": self.threshold,
                        "stage1_steps": self.stage1_steps, "stage2_steps": self.stage2_steps,
@@ -404,10 +309,10 @@ class RankAdaptive:
                           f"settings ({', '.join(f'{k}={saved[k]!r}' for k in diff)}); "
                           "continuing with this controller's", stacklevel=2)
         self._step = _check_int("step", state["step"], 0)
-        self._frozen = bool(state["frozen"])
-        self._lam = float(state["lam"])
-        self._lam0 = float(state["lam0"])
-        self._size_start = state["size_start"]
+        self._ctl.frozen = bool(state["frozen"])
+        self._ctl.lam = float(state["lam"])
+        self._ctl.lam0 = float(state["lam0"])
+        self._ctl.size_start = state["size_start"]
         signs = list(state.get("signs", []))
         gates = self._gates()
         if len(signs) == len(gates) and all(s.shape == g.shape for s, g in zip(signs, gates)):
