@@ -64,8 +64,10 @@ static inline int embedding_check_batch(const comera_tt_embedding_desc *d,
 static inline int embedding_prepare_checked(const comera_tt_embedding_desc *d,
                                             const comera_tt_embedding_batch *b, int reuse,
                                             comera_tt_embedding_prep *p) {
-    int rc = comera_tt_embedding_prepare(d, reuse, p);
-    return rc ? rc : comera_tt_embedding_check_batch(p, b, NULL);
+    /* the batch is checked before `reuse`, as the one-call kernels did */
+    int rc = comera_tt_embedding_prepare(d, COMERA_REUSE_AUTO, p);
+    if (!rc) rc = comera_tt_embedding_check_batch(p, b, NULL);
+    return rc ? rc : comera_tt_embedding_prepare(d, reuse, p);
 }
 
 static inline int embedding_fwd_f32(const comera_tt_embedding_desc *d,

@@ -96,7 +96,8 @@ int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double thresh
  * The lookups of comera_tt_embedding_fwd/bwd_* (tt_embedding.h) on device
  * data: the batch's indices and offsets are device pointers, `cores` and
  * `gates` host arrays of device pointers, psw (sum bags only, else NULL)
- * and the outputs device pointers.  The prepared `reuse` (as asked): NONE contracts every index;
+ * and the outputs device pointers.  The prepared `reuse` (as asked): NONE
+ * contracts every index;
  * DEDUP and PREFIX sort the indices and contract each distinct row once (no
  * prefix sharing on the GPU); AUTO dedups when a row costs more than
  * sorting an index.  The backward always sorts: its sums run in a fixed
