@@ -16,7 +16,8 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 
-$(STAMP): $(VPY) setup.py pyproject.toml $(wildcard csrc/*/*.c csrc/*/*.h csrc/*/*/*.h csrc/torch/*.cpp csrc/cuda/*.cu)
+# every file under csrc, at any depth (sources, headers, build.mk)
+$(STAMP): $(VPY) setup.py pyproject.toml $(shell find csrc -type f)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q --no-build-isolation -e ".[test,train,bench]"
 	touch $(STAMP)

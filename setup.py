@@ -1,8 +1,10 @@
 """Build comera: the C kernels as a C11 static library, then the torch glue.
 
-torch's BuildExtension compiles every non-.cu source as C++, so the C files
-(csrc/cpu/*.c) get their own build step with C flags and are linked into the
-extension as a static library.
+torch's BuildExtension compiles every non-.cu source as C++, so the C kernels
+(COMERA_C_SOURCES in csrc/build.mk, the one source of their flags) get their
+own build step with C flags and are linked into the extension as a static
+library.  The torch glue is csrc/registration.cpp and csrc/<op>/op.cpp, plus
+csrc/<op>/op_cuda.cpp and csrc/<op>/*.cu with CUDA.
 
 Environment:
   COMERA_CUDA=auto|0|1   build the CUDA kernels (auto: torch was built with
@@ -20,7 +22,26 @@ import sysconfig
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-C_FLAGS = ["-std=c11", "-O3", "-fopenmp", "-fPIC", "-Wall", "-Wextra", "-fno-strict-aliasing"]
+CSRC = os.path.join(ROOT, "csrc")
+
+
+def _read_build_mk(path=os.path.join(CSRC, "build.mk")):
+    """The `NAME = value` lines of csrc/build.mk (with backslash continuations)."""
+    with open(path) as f:
+        text = f.read().replace("\\\n", " ")
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        if "=" in line:
+            name, value = line.split("=", 1)
+            out[name.strip()] = value.split()
+    return out
+
+
+BUILD_MK = _read_build_mk()
+C_FLAGS = (BUILD_MK["COMERA_C_STD"] + BUILD_MK["COMERA_C_WARN"] + BUILD_MK["COMERA_C_OPENMP"]
+           + ["-O3", "-fPIC", "-fno-strict-aliasing"])
+C_INCLUDES = [os.path.normpath(os.path.join(CSRC, d)) for d in BUILD_MK["COMERA_C_INCLUDES"]]
 
 
 def _default_cuda_home():
@@ -58,7 +79,7 @@ def _cuda_choice():
     want = os.environ.get("COMERA_CUDA", "auto").strip().lower()
     if want not in ("auto", "0", "1"):
         sys.exit(f"COMERA_CUDA must be auto, 0 or 1, got {want!r}")
-    cu_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    cu_sources = sorted(glob.glob(os.path.join("csrc", "*", "*.cu")))
     torch_cuda = torch.version.cuda is not None
     nvcc = cpp_extension.CUDA_HOME is not None and os.path.exists(
         os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
@@ -133,14 +154,16 @@ def _cublas_build_args(build_dir):
 
 
 def _build_c_library(build_temp):
-    """Compiles csrc/cpu/*.c with the C compiler into libcomera_cpu.a."""
+    """Compiles the C kernels (csrc/build.mk) with the C compiler into libcomera_cpu.a."""
     cc = os.environ.get("CC", "cc")
     obj_dir = os.path.join(build_temp, "comera_c")
     os.makedirs(obj_dir, exist_ok=True)
     objects = []
-    for src in sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.c"))):
-        obj = os.path.join(obj_dir, os.path.basename(src)[:-2] + ".o")
-        cmd = [cc, *C_FLAGS, "-I", os.path.join(ROOT, "csrc", "include"), "-c", src, "-o", obj]
+    for rel in BUILD_MK["COMERA_C_SOURCES"]:
+        src = os.path.join(CSRC, rel)
+        obj = os.path.join(obj_dir, rel[:-2].replace("/", "_") + ".o")  # tt_linear_cpu.o
+        includes = [f"-I{d}" for d in C_INCLUDES]
+        cmd = [cc, *C_FLAGS, *includes, "-c", src, "-o", obj]
         print(" ".join(cmd))
         subprocess.check_call(cmd)
         objects.append(obj)
@@ -168,15 +191,16 @@ def main():
                 ext.extra_objects = [lib] + list(ext.extra_objects or [])
             super().build_extensions()
 
-    sources = sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp")))
+    sources = [os.path.join("csrc", "registration.cpp")]
+    sources += sorted(glob.glob(os.path.join("csrc", "*", "op.cpp")))
     cxx_flags = ["-O3", _cxx_standard(), "-Wall"]
     define_macros = []
     ext_cls = CppExtension
     kwargs = {}
     extra_include, extra_link = [], []
     if with_cuda:
-        sources += sorted(glob.glob(os.path.join("csrc", "torch", "cuda", "*.cpp")))
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        sources += sorted(glob.glob(os.path.join("csrc", "*", "op_cuda.cpp")))
+        sources += sorted(glob.glob(os.path.join("csrc", "*", "*.cu")))
         define_macros.append(("COMERA_WITH_CUDA", "1"))
         ext_cls = CUDAExtension
         cublas = _cublas_build_args(os.path.join(ROOT, "build"))
@@ -190,7 +214,7 @@ def main():
     ext = ext_cls(
         "comera._C",
         sources,
-        include_dirs=[os.path.join(ROOT, "csrc", "include")] + extra_include,
+        include_dirs=C_INCLUDES + extra_include,
         define_macros=define_macros,
         extra_compile_args=extra,
         extra_link_args=["-fopenmp"] + extra_link,

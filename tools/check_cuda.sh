@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make check-cuda: the CUDA build checks that need no GPU.
-#  1. every csrc/cuda/*.cu compiles with nvcc, warnings as errors, for each
+#  1. every csrc/*/*.cu compiles with nvcc, warnings as errors, for each
 #     architecture in CHECK_CUDA_ARCHS (default sm_80 and sm_90), with the
 #     macros torch's CUDA extensions add (no implicit half conversions);
 #  2. where a virtual environment with a CUDA build of torch exists
@@ -18,13 +18,13 @@ mkdir -p "$out"
 gencode=()
 for a in $archs; do gencode+=(-gencode "arch=compute_$a,code=sm_$a"); done
 n=0
-for cu in csrc/cuda/*.cu; do
-    obj="$out/$(basename "$cu" .cu).o"
+for cu in csrc/*/*.cu; do
+    obj="$out/$(dirname "$cu" | xargs basename)_$(basename "$cu" .cu).o"
     echo "nvcc $cu (sm: $archs)"
     "$nvcc" -std=c++17 -O3 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror \
         -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
         -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ \
-        "${gencode[@]}" -Icsrc/include -I"$cublas_inc" -c "$cu" -o "$obj"
+        "${gencode[@]}" -Icsrc/include -Icsrc -I"$cublas_inc" -c "$cu" -o "$obj"
     n=$((n + 1))
 done
 echo "check-cuda: $n CUDA sources compiled with nvcc, no warnings"

@@ -1,7 +1,7 @@
 /* Independent naive references for the comera C kernel tests.
  *
  * Nothing here calls into csrc/: the TT layer is evaluated by explicit loops
- * over multi-indices and rank products (DESIGN.md section 2), so a bug shared
+ * over multi-indices and rank products (docs/design.md section 2), so a bug shared
  * by the kernels and the reference would need to be made twice. */
 #ifndef COMERA_TEST_REFERENCE_H
 #define COMERA_TEST_REFERENCE_H

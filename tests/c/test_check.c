@@ -3,6 +3,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "reference.h"
 #include "comera/tt_linear.h"
+#include "one_call.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -127,22 +128,22 @@ static void test_check(void) {
     static const int BADPATH[] = {-1, 3};
     for (int i = 0; i < 2; i++) {
         int p = BADPATH[i];
-        check(comera_tt_linear_fwd_f64(&d, p, 1, buf, cc, gg, NULL, buf, buf, 1) == COMERA_ERR_ARG,
+        check(linear_fwd_f64(&d, p, 1, buf, cc, gg, NULL, buf, buf, 1) == COMERA_ERR_ARG,
               "fwd_f64 path %d accepted", p);
-        check(comera_tt_linear_fwd_f32(&d, p, 1, fbuf, fc, fg, NULL, fbuf, fbuf, 1) == COMERA_ERR_ARG,
+        check(linear_fwd_f32(&d, p, 1, fbuf, fc, fg, NULL, fbuf, fbuf, 1) == COMERA_ERR_ARG,
               "fwd_f32 path %d accepted", p);
-        check(comera_tt_linear_bwd_f64(&d, p, 1, buf, buf, buf, cc, gg, buf, cores, gates, buf, 1) ==
+        check(linear_bwd_f64(&d, p, 1, buf, buf, buf, cc, gg, buf, cores, gates, buf, 1) ==
                   COMERA_ERR_ARG, "bwd_f64 path %d accepted", p);
-        check(comera_tt_linear_bwd_f32(&d, p, 1, fbuf, fbuf, fbuf, fc, fg, fbuf, fcores, fgates,
+        check(linear_bwd_f32(&d, p, 1, fbuf, fbuf, fbuf, fc, fg, fbuf, fcores, fgates,
                                        fbuf, 1) == COMERA_ERR_ARG, "bwd_f32 path %d accepted", p);
     }
     d.in_features = 0;
-    check(comera_tt_linear_fwd_f64(&d, 1, 1, buf, cc, gg, NULL, buf, buf, 1) == COMERA_ERR_ARG,
+    check(linear_fwd_f64(&d, 1, 1, buf, cc, gg, NULL, buf, buf, 1) == COMERA_ERR_ARG,
           "fwd_f64 with in_features 0 accepted");
-    check(comera_tt_linear_bwd_f32(&d, 2, 1, fbuf, fbuf, fbuf, fc, fg, fbuf, fcores, fgates, fbuf, 1) ==
+    check(linear_bwd_f32(&d, 2, 1, fbuf, fbuf, fbuf, fc, fg, fbuf, fcores, fgates, fbuf, 1) ==
               COMERA_ERR_ARG, "bwd_f32 with in_features 0 accepted");
     d = desc_of(v);
-    check(comera_tt_linear_fwd_f64(&d, 1, -1, buf, cc, gg, NULL, buf, buf, 1) == COMERA_ERR_ARG,
+    check(linear_fwd_f64(&d, 1, -1, buf, cc, gg, NULL, buf, buf, 1) == COMERA_ERR_ARG,
           "fwd_f64 with batch -1 accepted");
     group_end();
 }

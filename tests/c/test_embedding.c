@@ -5,6 +5,7 @@
  * against float64; batch and descriptor checks; the planner.
  * Prints one line per group, then "N passed, M failed"; exits 1 on failure. */
 #include "comera/tt_embedding.h"
+#include "one_call.h"
 
 #include <math.h>
 #include <omp.h>
@@ -283,11 +284,11 @@ static void test_case(const emb_case *c, int mode, int64_t padding_idx, int weig
     const float *psw_f = weighted ? B.psw_f : NULL;
     for (int reuse = COMERA_REUSE_AUTO; reuse <= COMERA_REUSE_PREFIX; reuse++)
         for (int nt = 1; nt <= 3; nt += 2) {
-            int rc = comera_tt_embedding_fwd_f64(&m.desc, &B.b, psw, reuse,
+            int rc = embedding_fwd_f64(&m.desc, &B.b, psw, reuse,
                                                  (const double *const *)m.core,
                                                  (const double *const *)m.gate, out, nt);
             ok &= rc == COMERA_OK && max_rel_err(out, out_ref, rows * dim) < TOL64;
-            rc = comera_tt_embedding_bwd_f64(&m.desc, &B.b, psw, reuse, G,
+            rc = embedding_bwd_f64(&m.desc, &B.b, psw, reuse, G,
                                              (const double *const *)m.core,
                                              (const double *const *)m.gate, dc, dg, nt);
             ok &= rc == COMERA_OK;
@@ -295,12 +296,12 @@ static void test_case(const emb_case *c, int mode, int64_t padding_idx, int weig
                 ok &= max_rel_err(dc[k], dc_ref[k], m.size[k]) < TOL64;
                 if (k < c->d - 1) ok &= max_rel_err(dg[k], dg_ref[k], c->r[k + 1]) < TOL64;
             }
-            rc = comera_tt_embedding_fwd_f32(&m.desc, &B.b, psw_f, reuse,
+            rc = embedding_fwd_f32(&m.desc, &B.b, psw_f, reuse,
                                              (const float *const *)m.core_f,
                                              (const float *const *)m.gate_f, out_f, nt);
             for (int64_t i = 0; i < rows * dim; i++) out_f64[i] = out_f[i];
             ok &= rc == COMERA_OK && max_rel_err(out_f64, out_ref, rows * dim) < TOL32;
-            rc = comera_tt_embedding_bwd_f32(&m.desc, &B.b, psw_f, reuse, G_f,
+            rc = embedding_bwd_f32(&m.desc, &B.b, psw_f, reuse, G_f,
                                              (const float *const *)m.core_f,
                                              (const float *const *)m.gate_f, dc_f, dg_f, nt);
             ok &= rc == COMERA_OK;
@@ -324,24 +325,24 @@ static void test_checks_and_plan(void) {
     model_init(&m, c, -1);
     int64_t idx[] = {3, 22, 23, 0}, bad = -1;
     comera_tt_embedding_batch b = {COMERA_EMB_PLAIN, 4, idx, 0, NULL};
-    check(comera_tt_embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_INDEX && bad == 2,
+    check(embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_INDEX && bad == 2,
           "index 23 >= num_embeddings found at position 2", "checks");
     idx[2] = -1;
-    check(comera_tt_embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_INDEX && bad == 2,
+    check(embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_INDEX && bad == 2,
           "negative index rejected", "checks");
     idx[2] = 5;
     int64_t off[] = {0, 3, 2};
     b = (comera_tt_embedding_batch){COMERA_EMB_SUM, 4, idx, 2, off};
-    check(comera_tt_embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_OFFSETS && bad == 2,
+    check(embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_OFFSETS && bad == 2,
           "decreasing offsets rejected", "checks");
     off[0] = 1;
-    check(comera_tt_embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_OFFSETS && bad == 0,
+    check(embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_OFFSETS && bad == 0,
           "offsets[0] != 0 rejected", "checks");
     off[0] = 0, off[1] = 2, off[2] = 3;
-    check(comera_tt_embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_OFFSETS && bad == 2,
+    check(embedding_check_batch(&m.desc, &b, &bad) == COMERA_ERR_OFFSETS && bad == 2,
           "last offset != n rejected", "checks");
     off[2] = 4;
-    check(comera_tt_embedding_check_batch(&m.desc, &b, &bad) == COMERA_OK, "CSR offsets accepted",
+    check(embedding_check_batch(&m.desc, &b, &bad) == COMERA_OK, "CSR offsets accepted",
           "checks");
     comera_tt_embedding_desc d = m.desc;
     d.padding_idx = 23;
@@ -356,10 +357,10 @@ static void test_checks_and_plan(void) {
     const float *const *cf = (const float *const *)m.core_f;
     const float *const *gf = (const float *const *)m.gate_f;
     b = (comera_tt_embedding_batch){COMERA_EMB_PLAIN, 4, idx, 0, NULL};
-    check(comera_tt_embedding_fwd_f32(&m.desc, &b, NULL, 7, cf, gf, out, 1) == COMERA_ERR_ARG,
+    check(embedding_fwd_f32(&m.desc, &b, NULL, 7, cf, gf, out, 1) == COMERA_ERR_ARG,
           "unknown reuse rejected", "checks");
     b.n = 0;
-    check(comera_tt_embedding_fwd_f32(&m.desc, &b, NULL, 0, cf, gf, out, 2) == COMERA_OK,
+    check(embedding_fwd_f32(&m.desc, &b, NULL, 0, cf, gf, out, 2) == COMERA_OK,
           "empty batch", "checks");
 
     int64_t pi[] = {5, 5, 7, 22, 21, 3, 5};
@@ -404,11 +405,11 @@ static void test_inside_parallel_region(void) {
             dc[k] = malloc(sizeof(double) * (size_t)m.size[k]);
             dg[k] = malloc(sizeof(double) * 16);
         }
-        ok = comera_tt_embedding_fwd_f64(&m.desc, &B.b, NULL, COMERA_REUSE_PREFIX,
+        ok = embedding_fwd_f64(&m.desc, &B.b, NULL, COMERA_REUSE_PREFIX,
                                          (const double *const *)m.core,
                                          (const double *const *)m.gate, out, 2) == COMERA_OK &&
              max_rel_err(out, ref, n * dim) < TOL64;
-        ok = ok && comera_tt_embedding_bwd_f64(&m.desc, &B.b, NULL, COMERA_REUSE_PREFIX, G,
+        ok = ok && embedding_bwd_f64(&m.desc, &B.b, NULL, COMERA_REUSE_PREFIX, G,
                                                (const double *const *)m.core,
                                                (const double *const *)m.gate, dc, dg, 2) == COMERA_OK;
         for (int k = 0; k < c->d; k++) {

@@ -3,7 +3,7 @@
  * accumulation.  Inputs are rounded to float so both types see identical
  * values and the double reference is (nearly) exact for both. */
 #include "reference.h"
-#include "comera/gemm.h"
+#include "common/gemm.h"
 
 #include <float.h>
 #include <math.h>

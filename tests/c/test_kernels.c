@@ -5,6 +5,7 @@
  * Prints one line per group, then "N passed, M failed"; exits 1 on failure. */
 #include "reference.h"
 #include "comera/tt_linear.h"
+#include "one_call.h"
 
 #include <math.h>
 #include <omp.h>
@@ -140,10 +141,10 @@ static double result_err(const result_t *a, const result_t *ref, const layer_t *
 
 static int run_f64(const layer_t *L, int path, int64_t B, const double *x, const double *dy,
                    int use_bias, int use_dx, int nt, result_t *r) {
-    int rc = comera_tt_linear_fwd_f64(&L->desc, path, B, x, CD(L->cores), CD(L->gates),
+    int rc = linear_fwd_f64(&L->desc, path, B, x, CD(L->cores), CD(L->gates),
                                       use_bias ? L->bias : NULL, r->y, r->t, nt);
     if (rc) return rc;
-    return comera_tt_linear_bwd_f64(&L->desc, path, B, dy, x, r->t, CD(L->cores), CD(L->gates),
+    return linear_bwd_f64(&L->desc, path, B, dy, x, r->t, CD(L->cores), CD(L->gates),
                                     use_dx ? r->dx : NULL, r->dc, r->dg, use_dx ? r->db : NULL, nt);
 }
 
@@ -161,10 +162,10 @@ static int run_f32(const layer_t *L, int path, int64_t B, const double *x, const
         dg[k] = k < L->D - 1 ? falloc(c->ranks[k + 1]) : NULL;
         if (dg[k]) fill_nan_f(dg[k], c->ranks[k + 1]);
     }
-    int rc = comera_tt_linear_fwd_f32(&L->desc, path, B, xf, CF(L->cores_f), CF(L->gates_f),
+    int rc = linear_fwd_f32(&L->desc, path, B, xf, CF(L->cores_f), CF(L->gates_f),
                                       use_bias ? L->bias_f : NULL, y, t, nt);
     if (!rc)
-        rc = comera_tt_linear_bwd_f32(&L->desc, path, B, dyf, xf, t, CF(L->cores_f),
+        rc = linear_bwd_f32(&L->desc, path, B, dyf, xf, t, CF(L->cores_f),
                                       CF(L->gates_f), use_dx ? dx : NULL, dc, dg,
                                       use_dx ? db : NULL, nt);
     to_double(y, r->y, ny); to_double(t, r->t, ntt); to_double(dx, r->dx, nx);
@@ -254,7 +255,7 @@ static void test_case(const tt_case *c, uint64_t seed) {
 /* loss = sum(y * G) through the float64 kernel's own forward */
 static double fd_loss(const layer_t *L, int path, int64_t B, const double *x, const double *G,
                       double *y, double *t) {
-    int rc = comera_tt_linear_fwd_f64(&L->desc, path, B, x, CD(L->cores), CD(L->gates), L->bias,
+    int rc = linear_fwd_f64(&L->desc, path, B, x, CD(L->cores), CD(L->gates), L->bias,
                                       y, t, 1);
     if (rc) return NAN;
     double s = 0.0;

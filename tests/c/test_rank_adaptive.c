@@ -3,7 +3,7 @@
  * re-zeroed, deaths by dead zone and by zero crossing, the min_live rescue,
  * kill = 0, NaN (nothing modified), argument errors, many gates on threads. */
 #include "reference.h"
-#include "comera/rank_adaptive.h"
+#include "comera/gate_prox.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -84,7 +84,7 @@ static void one_config(int64_t num, const int64_t *sizes, double thr, int64_t mi
     }
     int rc_d = comera_gate_prox_f64(num, gd, sd, sizes, thr, min_live, kill, live_d, nthreads);
     int rc_f = comera_gate_prox_f32(num, gf, sf, sizes, thr, min_live, kill, live_f, nthreads);
-    check(rc_d == COMERA_GATE_OK && rc_f == COMERA_GATE_OK, "rc %d %d", rc_d, rc_f);
+    check(rc_d == COMERA_OK && rc_f == COMERA_OK, "rc %d %d", rc_d, rc_f);
     int bad = 0;
     for (int64_t k = 0; k < num; k++) {
         int64_t live = naive(gref[k], sref[k], sizes[k], thr, min_live, kill);
@@ -116,18 +116,18 @@ static void test_nan_and_args(void) {
           (long long)live[1]);
     check(g0[1] == 1e-5f && g1[0] == 1e-5f && s0[1] == 1 && s0[2] == 1,
           "NaN: a gate was modified");
-    check(comera_gate_prox_f32(2, g, s, sizes, NAN, 1, 1, live, 1) == COMERA_GATE_ERR_ARG,
+    check(comera_gate_prox_f32(2, g, s, sizes, NAN, 1, 1, live, 1) == COMERA_ERR_ARG,
           "NaN threshold accepted");
-    check(comera_gate_prox_f32(-1, g, s, sizes, 0.1, 1, 1, live, 1) == COMERA_GATE_ERR_ARG,
+    check(comera_gate_prox_f32(-1, g, s, sizes, 0.1, 1, 1, live, 1) == COMERA_ERR_ARG,
           "negative count accepted");
-    check(comera_gate_prox_f32(2, g, s, sizes, 0.1, -1, 1, live, 1) == COMERA_GATE_ERR_ARG,
+    check(comera_gate_prox_f32(2, g, s, sizes, 0.1, -1, 1, live, 1) == COMERA_ERR_ARG,
           "negative min_live accepted");
     int64_t neg[2] = {3, -2};
-    check(comera_gate_prox_f32(2, g, s, neg, 0.1, 1, 1, live, 1) == COMERA_GATE_ERR_ARG,
+    check(comera_gate_prox_f32(2, g, s, neg, 0.1, 1, 1, live, 1) == COMERA_ERR_ARG,
           "negative size accepted");
-    check(comera_gate_prox_f32(2, g, s, sizes, 0.1, 1, 1, NULL, 1) == COMERA_GATE_ERR_ARG,
+    check(comera_gate_prox_f32(2, g, s, sizes, 0.1, 1, 1, NULL, 1) == COMERA_ERR_ARG,
           "NULL live accepted");
-    check(comera_gate_prox_f64(0, NULL, NULL, NULL, 0.1, 1, 1, NULL, 1) == COMERA_GATE_OK,
+    check(comera_gate_prox_f64(0, NULL, NULL, NULL, 0.1, 1, 1, NULL, 1) == COMERA_OK,
           "no gates is fine");
 }
 

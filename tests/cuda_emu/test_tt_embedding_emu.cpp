@@ -21,6 +21,7 @@
 
 #include "comera/cuda.h"
 #include "comera/tt_embedding.h"
+#include "../c/one_call.h"
 
 struct Case {
     const char *name;
@@ -144,7 +145,7 @@ static void run(const Case &c, int mode, bool with_psw, int reuse, std::vector<i
     for (auto &v : L.cores) rc.push_back(v.data());
     for (auto &v : L.gates) rg.push_back(v.data());
     std::vector<double> ref_out((size_t)(rows * D));
-    int rrc = comera_tt_embedding_fwd_f64(&L.d, &b, rpsw, COMERA_REUSE_DEDUP, rc.data(), rg.data(),
+    int rrc = embedding_fwd_f64(&L.d, &b, rpsw, COMERA_REUSE_DEDUP, rc.data(), rg.data(),
                                           ref_out.data(), 1);
     std::vector<std::vector<double>> rdc, rdg;
     std::vector<double *> rdcp, rdgp;
@@ -152,7 +153,7 @@ static void run(const Case &c, int mode, bool with_psw, int reuse, std::vector<i
     for (auto &v : L.gates) rdg.push_back(std::vector<double>(v.size()));
     for (auto &v : rdc) rdcp.push_back(v.data());
     for (auto &v : rdg) rdgp.push_back(v.data());
-    rrc |= comera_tt_embedding_bwd_f64(&L.d, &b, rpsw, COMERA_REUSE_DEDUP, grad.data(), rc.data(),
+    rrc |= embedding_bwd_f64(&L.d, &b, rpsw, COMERA_REUSE_DEDUP, grad.data(), rc.data(),
                                        rg.data(), rdcp.data(), rdgp.data(), 1);
     check(rrc == COMERA_OK, what + ": reference kernels");
 
@@ -169,18 +170,18 @@ static void run(const Case &c, int mode, bool with_psw, int reuse, std::vector<i
     std::vector<T> out((size_t)(rows * D), from_d<T>(7));
 
     size_t fb = 0, bb = 0;
-    check(comera_tt_embedding_cuda_workspace(&L.d, &b, DT<T>::id, 0, &fb) == COMERA_OK &&
-              comera_tt_embedding_cuda_workspace(&L.d, &b, DT<T>::id, 1, &bb) == COMERA_OK,
+    check(embedding_cuda_workspace(&L.d, &b, DT<T>::id, 0, &fb) == COMERA_OK &&
+              embedding_cuda_workspace(&L.d, &b, DT<T>::id, 1, &bb) == COMERA_OK,
           what + ": workspace size");
     Guarded wf(fb), wb(bb);
-    int frc = comera_tt_embedding_fwd_cuda(&L.d, &b, DT<T>::id, with_psw ? tpsw.data() : nullptr,
+    int frc = embedding_fwd_cuda(&L.d, &b, DT<T>::id, with_psw ? tpsw.data() : nullptr,
                                            reuse, tcp.data(), tgp.data(), out.data(),
                                            wf.buf.data(), fb, nullptr);
     check(frc == COMERA_OK, what + ": forward returned " + std::to_string(frc));
     check(wf.intact(), what + ": forward wrote past its workspace");
     double e = rel_err(out, ref_out);
     check(e <= DT<T>::tol, what + ": forward error " + std::to_string(e));
-    int brc = comera_tt_embedding_bwd_cuda(&L.d, &b, DT<T>::id, with_psw ? tpsw.data() : nullptr,
+    int brc = embedding_bwd_cuda(&L.d, &b, DT<T>::id, with_psw ? tpsw.data() : nullptr,
                                            reuse, tgrad.data(), tcp.data(), tgp.data(), dcp.data(),
                                            dgp.data(), wb.buf.data(), bb, nullptr);
     check(brc == COMERA_OK, what + ": backward returned " + std::to_string(brc));
@@ -238,33 +239,33 @@ static void edge_cases() {
     std::vector<int64_t> idx = {2, 15, -1, 2}, off = {0, 1, 4};
     comera_tt_embedding_batch b{COMERA_EMB_PLAIN, 4, idx.data(), 0, nullptr};
     size_t bytes = 0;
-    comera_tt_embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 0, &bytes);
+    embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 0, &bytes);
     std::vector<unsigned char> ws(bytes);
     std::vector<float> out((size_t)(4 * c.dim));
-    int rc = comera_tt_embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
+    int rc = embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
                                           out.data(), ws.data(), bytes, nullptr);
     check(rc == COMERA_OK && !std::isnan(out[0]) && std::isnan(out[(size_t)c.dim]) &&
               std::isnan(out[(size_t)(2 * c.dim)]) && out[(size_t)(3 * c.dim)] == out[0],
           "out-of-range indices read as NaN rows");
     comera_tt_embedding_batch bb{COMERA_EMB_SUM, 4, idx.data(), 2, off.data()};
-    comera_tt_embedding_cuda_workspace(&L.d, &bb, COMERA_DT_F32, 0, &bytes);
+    embedding_cuda_workspace(&L.d, &bb, COMERA_DT_F32, 0, &bytes);
     ws.resize(bytes);
     std::vector<float> bout((size_t)(2 * c.dim));
-    rc = comera_tt_embedding_fwd_cuda(&L.d, &bb, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
+    rc = embedding_fwd_cuda(&L.d, &bb, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
                                       bout.data(), ws.data(), bytes, nullptr);
     check(rc == COMERA_OK && !std::isnan(bout[0]) && std::isnan(bout[(size_t)c.dim]),
           "a bag holding an out-of-range index is NaN");
-    check(comera_tt_embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 9, cp.data(), gp.data(),
+    check(embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 9, cp.data(), gp.data(),
                                        out.data(), ws.data(), bytes, nullptr) == COMERA_ERR_ARG,
           "bad reuse is an argument error");
-    check(comera_tt_embedding_fwd_cuda(&L.d, &b, 7, nullptr, 0, cp.data(), gp.data(), out.data(),
+    check(embedding_fwd_cuda(&L.d, &b, 7, nullptr, 0, cp.data(), gp.data(), out.data(),
                                        ws.data(), bytes, nullptr) == COMERA_ERR_ARG,
           "bad dtype is an argument error");
-    check(comera_tt_embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
+    check(embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, cp.data(), gp.data(),
                                        out.data(), ws.data(), 16, nullptr) == COMERA_ERR_WORKSPACE,
           "a short workspace is refused");
     comera_tt_embedding_batch bad{5, 4, idx.data(), 0, nullptr};
-    check(comera_tt_embedding_cuda_workspace(&L.d, &bad, COMERA_DT_F32, 0, &bytes) == COMERA_ERR_ARG,
+    check(embedding_cuda_workspace(&L.d, &bad, COMERA_DT_F32, 0, &bytes) == COMERA_ERR_ARG,
           "bad mode is an argument error");
 }
 
@@ -289,14 +290,14 @@ static void permutation_invariance() {
     for (int w = 0; w < 2; w++) {
         comera_tt_embedding_batch b{COMERA_EMB_PLAIN, 6, w ? rev.data() : a.data(), 0, nullptr};
         size_t bytes = 0;
-        comera_tt_embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 1, &bytes);
+        embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 1, &bytes);
         std::vector<unsigned char> ws(bytes);
         std::vector<void *> dcp, dgp;
         for (auto &v : fc) out[w].push_back(std::vector<float>(v.size()));
         for (auto &v : fg) out[w].push_back(std::vector<float>(v.size()));
         for (size_t k = 0; k < fc.size(); k++) dcp.push_back(out[w][k].data());
         for (size_t k = 0; k < fg.size(); k++) dgp.push_back(out[w][fc.size() + k].data());
-        comera_tt_embedding_bwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, w ? grev.data() : grad.data(),
+        embedding_bwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, 0, w ? grev.data() : grad.data(),
                                      cp.data(), gp.data(), dcp.data(), dgp.data(), ws.data(), bytes,
                                      nullptr);
     }

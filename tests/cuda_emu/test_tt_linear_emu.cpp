@@ -19,8 +19,9 @@
 #include <vector>
 
 #include "comera/cuda.h"
-#include "comera/rank_adaptive.h"
+#include "comera/gate_prox.h"
 #include "comera/tt_linear.h"
+#include "../c/one_call.h"
 
 struct Case {
     const char *name;
@@ -138,7 +139,7 @@ static void run_case(const Case &c, int64_t batch, bool has_bias, bool want_dx, 
     for (auto &v : cores) rc_.push_back(v.data());
     for (auto &v : gates) rg_.push_back(v.data());
     std::vector<double> ry((size_t)(batch * c.out)), rt((size_t)(batch * rm));
-    int rc = comera_tt_linear_fwd_f64(&d, COMERA_PATH_MERGE, batch, x.data(), rc_.data(), rg_.data(),
+    int rc = linear_fwd_f64(&d, COMERA_PATH_MERGE, batch, x.data(), rc_.data(), rg_.data(),
                                       has_bias ? bias.data() : nullptr, ry.data(), rt.data(), 1);
     std::vector<double> rdx((size_t)(batch * c.in)), rdb((size_t)c.out);
     std::vector<std::vector<double>> rdc, rdg;
@@ -148,7 +149,7 @@ static void run_case(const Case &c, int64_t batch, bool has_bias, bool want_dx, 
     for (auto &v : rdc) rdcp.push_back(v.data());
     for (auto &v : rdg) rdgp.push_back(v.data());
     if (!rc)
-        rc = comera_tt_linear_bwd_f64(&d, COMERA_PATH_MERGE, batch, dy.data(), x.data(), rt.data(),
+        rc = linear_bwd_f64(&d, COMERA_PATH_MERGE, batch, dy.data(), x.data(), rt.data(),
                                       rc_.data(), rg_.data(), rdx.data(), rdcp.data(), rdgp.data(),
                                       has_bias ? rdb.data() : nullptr, 1);
     std::string name = std::string(c.name) + " dtype " + std::to_string((int)DT<T>::id) +
@@ -167,12 +168,12 @@ static void run_case(const Case &c, int64_t batch, bool has_bias, bool want_dx, 
     std::vector<T> tx = as<T>(x), tdy = as<T>(dy), tb = as<T>(bias);
     std::vector<T> y((size_t)(batch * c.out)), t((size_t)(batch * rm));
     size_t fb = 0, bb = 0;
-    rc = comera_tt_linear_cuda_workspace(&d, batch, DT<T>::id, has_bias, 0, &fb);
+    rc = linear_cuda_workspace(&d, batch, DT<T>::id, has_bias, 0, &fb);
     check(rc == COMERA_OK, name + ": forward workspace size");
-    rc = comera_tt_linear_cuda_workspace(&d, batch, DT<T>::id, has_bias, 1, &bb);
+    rc = linear_cuda_workspace(&d, batch, DT<T>::id, has_bias, 1, &bb);
     check(rc == COMERA_OK, name + ": backward workspace size");
     Guarded fw(fb), bw(bb);
-    rc = comera_tt_linear_fwd_cuda(&d, COMERA_PATH_AUTO, DT<T>::id, batch, tx.data(), cp.data(),
+    rc = linear_fwd_cuda(&d, COMERA_PATH_AUTO, DT<T>::id, batch, tx.data(), cp.data(),
                                    gp.data(), has_bias ? tb.data() : nullptr, y.data(), t.data(),
                                    fw.buf.data(), fw.bytes, nullptr, nullptr);
     check(rc == COMERA_OK, name + ": forward returned " + std::to_string(rc));
@@ -191,7 +192,7 @@ static void run_case(const Case &c, int64_t batch, bool has_bias, bool want_dx, 
     std::vector<void *> dcp, dgp;
     for (auto &v : dc) dcp.push_back(v.data());
     for (auto &v : dg) dgp.push_back(v.data());
-    rc = comera_tt_linear_bwd_cuda(&d, COMERA_PATH_MERGE, DT<T>::id, batch, tdy.data(), tx.data(),
+    rc = linear_bwd_cuda(&d, COMERA_PATH_MERGE, DT<T>::id, batch, tdy.data(), tx.data(),
                                    tt.data(), cp.data(), gp.data(), want_dx ? dx.data() : nullptr,
                                    dcp.data(), dgp.data(), has_bias ? db.data() : nullptr,
                                    bw.buf.data(), bw.bytes, nullptr, nullptr);
@@ -233,22 +234,22 @@ static void argument_errors() {
     std::vector<float> c0(6), c1(18), c2(12), g0(2), g1(3), x(6), y(4), t(3);
     const void *cp[3] = {c0.data(), c1.data(), c2.data()}, *gp[2] = {g0.data(), g1.data()};
     size_t bytes = 0;
-    check(comera_tt_linear_cuda_workspace(&d, 1, COMERA_DT_F32, 0, 0, &bytes) == COMERA_OK &&
+    check(linear_cuda_workspace(&d, 1, COMERA_DT_F32, 0, 0, &bytes) == COMERA_OK &&
               bytes > 0,
           "workspace size for a valid layer");
     std::vector<char> ws(bytes);
-    check(comera_tt_linear_fwd_cuda(&d, 0, COMERA_DT_F32, 1, x.data(), cp, gp, nullptr, y.data(),
+    check(linear_fwd_cuda(&d, 0, COMERA_DT_F32, 1, x.data(), cp, gp, nullptr, y.data(),
                                     t.data(), ws.data(), bytes - 1, nullptr, nullptr) ==
               COMERA_ERR_WORKSPACE,
           "a workspace one byte short is refused");
-    check(comera_tt_linear_fwd_cuda(&d, 3, COMERA_DT_F32, 1, x.data(), cp, gp, nullptr, y.data(),
+    check(linear_fwd_cuda(&d, 3, COMERA_DT_F32, 1, x.data(), cp, gp, nullptr, y.data(),
                                     t.data(), ws.data(), bytes, nullptr, nullptr) == COMERA_ERR_ARG,
           "path 3 is refused");
-    check(comera_tt_linear_fwd_cuda(&d, 0, 7, 1, x.data(), cp, gp, nullptr, y.data(), t.data(),
+    check(linear_fwd_cuda(&d, 0, 7, 1, x.data(), cp, gp, nullptr, y.data(), t.data(),
                                     ws.data(), bytes, nullptr, nullptr) == COMERA_ERR_ARG,
           "dtype 7 is refused");
     d.out_features = 5;
-    check(comera_tt_linear_cuda_workspace(&d, 1, COMERA_DT_F32, 0, 0, &bytes) == COMERA_ERR_ARG,
+    check(linear_cuda_workspace(&d, 1, COMERA_DT_F32, 0, 0, &bytes) == COMERA_ERR_ARG,
           "out_features above the product of the modes is refused");
 }
 
@@ -312,7 +313,7 @@ static void gate_prox_case(int dt, unsigned seed, double threshold, int64_t min_
         table[2 * G + k] = sizes[k];
     }
     int rc = comera_gate_prox_cuda(dt, G, table.data(), threshold, min_live, kill, live.data(), nullptr);
-    bool ok = rc == COMERA_OK && (rrc == COMERA_GATE_OK || rrc == COMERA_GATE_NAN) && live == rlive;
+    bool ok = rc == COMERA_OK && (rrc == COMERA_OK || rrc == COMERA_GATE_NAN) && live == rlive;
     for (int k = 0; k < G && ok; k++) {
         ok = ts[k] == rs[k];
         for (int64_t i = 0; i < sizes[k] && ok; i++) {
@@ -359,8 +360,8 @@ static void launch_counts() {
     d.in_features = 768;
     d.out_features = 3072;
     size_t fb, bb;
-    comera_tt_linear_cuda_workspace(&d, 4096, COMERA_DT_BF16, 1, 0, &fb);
-    comera_tt_linear_cuda_workspace(&d, 4096, COMERA_DT_BF16, 1, 1, &bb);
+    linear_cuda_workspace(&d, 4096, COMERA_DT_BF16, 1, 0, &fb);
+    linear_cuda_workspace(&d, 4096, COMERA_DT_BF16, 1, 1, &bb);
     printf("768->3072 rank 30, 4096 rows, bf16 with bias: workspace forward %.2f MB, "
            "backward %.2f MB\n", fb / 1e6, bb / 1e6);
     /* count with 2 rows (the count does not depend on the batch) */
@@ -380,15 +381,15 @@ static void launch_counts() {
     for (auto &v : dc) dcp.push_back(v.data());
     for (auto &v : dg) dgp.push_back(v.data());
     std::vector<float> x(2 * 768), y(2 * 3072), t(2 * 30), b(3072), dx(2 * 768), db(3072);
-    comera_tt_linear_cuda_workspace(&d, 2, COMERA_DT_F32, 1, 0, &fb);
-    comera_tt_linear_cuda_workspace(&d, 2, COMERA_DT_F32, 1, 1, &bb);
+    linear_cuda_workspace(&d, 2, COMERA_DT_F32, 1, 0, &fb);
+    linear_cuda_workspace(&d, 2, COMERA_DT_F32, 1, 1, &bb);
     std::vector<char> fw(fb), bw(bb);
     long before = comera_emu::launches;
-    int rc = comera_tt_linear_fwd_cuda(&d, 0, COMERA_DT_F32, 2, x.data(), cp.data(), gp.data(),
+    int rc = linear_fwd_cuda(&d, 0, COMERA_DT_F32, 2, x.data(), cp.data(), gp.data(),
                                        b.data(), y.data(), t.data(), fw.data(), fb, nullptr, nullptr);
     long nf = comera_emu::launches - before;
     before = comera_emu::launches;
-    rc |= comera_tt_linear_bwd_cuda(&d, 0, COMERA_DT_F32, 2, y.data(), x.data(), t.data(), cp.data(),
+    rc |= linear_bwd_cuda(&d, 0, COMERA_DT_F32, 2, y.data(), x.data(), t.data(), cp.data(),
                                     gp.data(), dx.data(), dcp.data(), dgp.data(), db.data(),
                                     bw.data(), bb, nullptr, nullptr);
     long nb = comera_emu::launches - before;

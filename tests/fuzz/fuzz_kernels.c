@@ -25,9 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "comera/rank_adaptive.h"
+#include "comera/gate_prox.h"
 #include "comera/tt_embedding.h"
 #include "comera/tt_linear.h"
+#include "../c/one_call.h"
 #include "fuzz_alloc.h"
 
 #define FAIL(...)                                                   \
@@ -195,8 +196,8 @@ static void fuzz_linear(reader *r) {
             return;
         }
         long before = comera_fuzz_allocs();
-        int rf = comera_tt_linear_fwd_f32(&d, path, batch, one, cp, cp, one, one, one, nthreads);
-        int rb = comera_tt_linear_bwd_f32(&d, path, batch, one, one, one, cp, cp, one, dp, dp,
+        int rf = linear_fwd_f32(&d, path, batch, one, cp, cp, one, one, one, nthreads);
+        int rb = linear_bwd_f32(&d, path, batch, one, one, one, cp, cp, one, dp, dp,
                                           one, nthreads);
         if (rf != rc || rb != rc) FAIL("linear: check %d but fwd %d, bwd %d\n", rc, rf, rb);
         if (comera_fuzz_allocs() != before) FAIL("linear: allocation before rejecting (%d)\n", rc);
@@ -209,7 +210,7 @@ static void fuzz_linear(reader *r) {
         const float *cp[COMERA_MAX_CORES];
         for (int k = 0; k < COMERA_MAX_CORES; k++) cp[k] = one;
         long before = comera_fuzz_allocs();
-        int rf = comera_tt_linear_fwd_f32(&d, path, batch, one, cp, cp, one, one, one, nthreads);
+        int rf = linear_fwd_f32(&d, path, batch, one, cp, cp, one, one, one, nthreads);
         if (rf != COMERA_ERR_ARG) FAIL("linear: path %d accepted (%d)\n", path, rf);
         if (comera_fuzz_allocs() != before) FAIL("linear: allocation before rejecting path\n");
         free(in_modes), free(out_modes), free(rk);
@@ -236,9 +237,9 @@ static void fuzz_linear(reader *r) {
         y[s] = rand_buf(r, batch * out_f), t[s] = rand_buf(r, batch * rmid);
         dx[s] = rand_buf(r, batch * in_f), db[s] = rand_buf(r, out_f);
         int pth = s + 1;
-        int a = comera_tt_linear_fwd_f64(&d, pth, batch, x, (const double *const *)cores,
+        int a = linear_fwd_f64(&d, pth, batch, x, (const double *const *)cores,
                                          (const double *const *)gates, bias, y[s], t[s], nthreads);
-        int b = comera_tt_linear_bwd_f64(&d, pth, batch, dy, x, t[s],
+        int b = linear_bwd_f64(&d, pth, batch, dy, x, t[s],
                                          (const double *const *)cores,
                                          (const double *const *)gates, dx[s], dcores[s],
                                          dgates[s], db[s], nthreads);
@@ -267,9 +268,9 @@ static void fuzz_linear(reader *r) {
         }
         float *fx = to_f32(x, batch * in_f), *fy = to_f32(y[0], batch * out_f);
         float *ft = to_f32(t[0], batch * rmid), *fdy = to_f32(dy, batch * out_f);
-        int a = comera_tt_linear_fwd_f32(&d, path, batch, fx, (const float *const *)fc,
+        int a = linear_fwd_f32(&d, path, batch, fx, (const float *const *)fc,
                                          (const float *const *)fg, NULL, fy, ft, nthreads);
-        int b = comera_tt_linear_bwd_f32(&d, path, batch, fdy, fx, ft, (const float *const *)fc,
+        int b = linear_bwd_f32(&d, path, batch, fdy, fx, ft, (const float *const *)fc,
                                          (const float *const *)fg, NULL, fdc, fdg, NULL, nthreads);
         int want = path >= 0 && path <= 2 ? COMERA_OK : COMERA_ERR_ARG;
         if (a != want || b != want)
@@ -346,7 +347,7 @@ static void fuzz_embedding(reader *r) {
 
     int rcd = comera_tt_embedding_check(&desc);
     int64_t bad = -7;
-    int rc = comera_tt_embedding_check_batch(&desc, &b, &bad);
+    int rc = embedding_check_batch(&desc, &b, &bad);
     if (rcd && rc != rcd) FAIL("embedding: check %d but check_batch %d\n", rcd, rc);
     if (huge_n && rcd == COMERA_OK && rc != COMERA_ERR_OVERFLOW && rc != COMERA_ERR_ARG)
         FAIL("embedding: n = %lld accepted (%d)\n", (long long)n, rc);
@@ -370,8 +371,8 @@ static void fuzz_embedding(reader *r) {
         float *dp[COMERA_MAX_CORES + 2];
         for (int k = 0; k < COMERA_MAX_CORES + 2; k++) cp[k] = one, dp[k] = one;
         long before = comera_fuzz_allocs();
-        int rf = comera_tt_embedding_fwd_f32(&desc, &b, NULL, reuse, cp, cp, one, nthreads);
-        int rb = comera_tt_embedding_bwd_f32(&desc, &b, NULL, reuse, one, cp, cp, dp, dp,
+        int rf = embedding_fwd_f32(&desc, &b, NULL, reuse, cp, cp, one, nthreads);
+        int rb = embedding_bwd_f32(&desc, &b, NULL, reuse, one, cp, cp, dp, dp,
                                              nthreads);
         int want = rc != COMERA_OK ? rc : COMERA_ERR_ARG;
         if (rf != want || rb != want)
@@ -394,9 +395,9 @@ static void fuzz_embedding(reader *r) {
                 dc[s][k] = rand_buf(r, rk[k] * v[k] * e[k] * rk[k + 1]);
                 if (k < d - 1) dg[s][k] = rand_buf(r, rk[k + 1]);
             }
-            int a = comera_tt_embedding_fwd_f64(&desc, &b, psw, s, (const double *const *)cores,
+            int a = embedding_fwd_f64(&desc, &b, psw, s, (const double *const *)cores,
                                                 (const double *const *)gates, out[s], nthreads);
-            int c = comera_tt_embedding_bwd_f64(&desc, &b, psw, s, gout,
+            int c = embedding_bwd_f64(&desc, &b, psw, s, gout,
                                                 (const double *const *)cores,
                                                 (const double *const *)gates, dc[s], dg[s],
                                                 nthreads);
@@ -416,7 +417,7 @@ static void fuzz_embedding(reader *r) {
                 if (k < d - 1) fg[k] = to_f32(gates[k], rk[k + 1]);
             }
             float *fo = to_f32(out[0], rows * dim), *fpsw = psw ? to_f32(psw, nn) : NULL;
-            int a = comera_tt_embedding_fwd_f32(&desc, &b, fpsw, reuse, (const float *const *)fc,
+            int a = embedding_fwd_f32(&desc, &b, fpsw, reuse, (const float *const *)fc,
                                                 (const float *const *)fg, fo, nthreads);
             if (a) FAIL("embedding f32: valid batch failed: %d\n", a);
             double mx = 0;
@@ -486,14 +487,14 @@ static void fuzz_gate_prox(reader *r) {
                  : comera_gate_prox_f32(ng, (float *const *)g, s, sz, th, min_live, kill, live,
                                         nthreads);
     int arg_bad = ng < 0 || isnan(th) || min_live < 0 || (ng > 0 && any_neg);
-    int want = arg_bad ? COMERA_GATE_ERR_ARG : any_nan ? COMERA_GATE_NAN : COMERA_GATE_OK;
+    int want = arg_bad ? COMERA_ERR_ARG : any_nan ? COMERA_GATE_NAN : COMERA_OK;
     if (rc != want) FAIL("gate_prox: returned %d, expected %d\n", rc, want);
     for (int k = 0; k < n; k++) {
         int64_t m = sizes[k] > 0 ? sizes[k] : 0, alive = 0, before_nonzero = 0;
         for (int64_t i = 0; i < m; i++) {
             double gi = f64 ? ((double *)g[k])[i] : (double)((float *)g[k])[i];
             double g0i = f64 ? g0[k][i] : (double)(float)g0[k][i];
-            if (rc != COMERA_GATE_OK) {
+            if (rc != COMERA_OK) {
                 if (s[k][i] != s0[k][i] || !(gi == g0i || (isnan(gi) && isnan(g0i))))
                     FAIL("gate_prox: gate %d entry %lld modified on error %d\n", k, (long long)i,
                          rc);
@@ -509,7 +510,7 @@ static void fuzz_gate_prox(reader *r) {
         }
         if (rc == COMERA_GATE_NAN && live[k] != (nan_at[k] ? -1 : 0))
             FAIL("gate_prox: live[%d] = %lld on NaN\n", k, (long long)live[k]);
-        if (rc == COMERA_GATE_OK) {
+        if (rc == COMERA_OK) {
             if (live[k] != alive) FAIL("gate_prox: live[%d] %lld, counted %lld\n", k,
                                        (long long)live[k], (long long)alive);
             int64_t floor = min_live < before_nonzero ? min_live : before_nonzero;

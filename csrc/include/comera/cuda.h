@@ -1,9 +1,9 @@
-/* CUDA launchers: C ABI (DESIGN.md section 5).
+/* CUDA launchers: C ABI (docs/design.md section 5).
  *
  * Plain declarations, no torch and no CUDA headers needed to include this:
  * the stream and the cuBLAS handle are opaque pointers here (the same
  * typedefs as cuda_runtime_api.h and cublas_api.h, which may be included
- * before or after).  The torch glue (csrc/torch/cuda) passes in the current
+ * before or after).  The torch glue (csrc/<op>/op_cuda.cpp) passes in the current
  * stream, torch's cuBLAS handle, and a device workspace that it allocated
  * from the caching allocator, so nothing here allocates, frees or waits for
  * the device: every launcher only enqueues work on `stream` and can be
@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "comera/gate_prox.h"
+#include "comera/status.h"
 #include "comera/tt_embedding.h"
 #include "comera/tt_linear.h"
 
@@ -36,33 +38,27 @@ enum {
     COMERA_DT_F16 = 3
 };
 
-/* Errors beyond those of tt_linear.h. */
-enum {
-    COMERA_ERR_CUDA = -10,      /* a kernel launch or copy failed to enqueue */
-    COMERA_ERR_CUBLAS = -11,    /* a cuBLAS call returned an error */
-    COMERA_ERR_WORKSPACE = -12, /* the workspace passed in is too small */
-    COMERA_ERR_TOO_BIG = -13    /* a product dimension exceeds cuBLAS's int range */
-};
+/* Errors: comera/status.h (COMERA_ERR_CUDA and the ones after it are the
+ * launchers' own).  Every launcher takes a call prepared on the host
+ * (comera_tt_linear_prepare, comera_tt_embedding_prepare) and does not
+ * check the descriptor again. */
 
 /* ---- TT linear (merge path) ---------------------------------------------
  *
- * Same descriptor, arguments and results as comera_tt_linear_fwd/bwd_* in
- * tt_linear.h, with device pointers.  `cores` and `gates` are host arrays of
- * device pointers.  `path` is accepted (0 auto, 1 merge, 2 sequential) and
- * validated, but on the GPU every path runs the merge algorithm: its batch
- * work is four large GEMMs on tensor cores, while the sequential path is a
- * chain of batched small products that cuBLAS runs far below peak, and for
- * tiny batches both are bound by launch latency, where merge issues fewer
- * kernels (see docs in csrc/cuda/tt_linear.cu).
+ * Same arguments and results as comera_tt_linear_fwd/bwd_* in tt_linear.h,
+ * with device pointers.  `cores` and `gates` are host arrays of device
+ * pointers.  The prepared path is ignored: on the GPU every path runs the
+ * merge algorithm: its batch work is four large GEMMs on tensor cores, while
+ * the sequential path is a chain of batched small products that cuBLAS runs
+ * far below peak, and for tiny batches both are bound by launch latency,
+ * where merge issues fewer kernels (see csrc/tt_linear/cuda.cu).
  *
  * comera_tt_linear_cuda_workspace gives the bytes of workspace that the
- * forward (backward != 0: the backward) needs for `batch` rows. */
-int comera_tt_linear_cuda_workspace(const comera_tt_linear_desc *d, int64_t batch,
-                                    int dtype, int has_bias, int backward,
-                                    size_t *bytes);
+ * forward (backward != 0: the backward) needs for the prepared batch. */
+int comera_tt_linear_cuda_workspace(const comera_tt_linear_prep *p, int dtype, int has_bias,
+                                    int backward, size_t *bytes);
 
-int comera_tt_linear_fwd_cuda(const comera_tt_linear_desc *d, int path, int dtype,
-                              int64_t batch, const void *x,
+int comera_tt_linear_fwd_cuda(const comera_tt_linear_prep *p, int dtype, const void *x,
                               const void *const *cores, const void *const *gates,
                               const void *bias, void *y, void *t,
                               void *workspace, size_t workspace_bytes,
@@ -70,9 +66,8 @@ int comera_tt_linear_fwd_cuda(const comera_tt_linear_desc *d, int path, int dtyp
 
 /* dx may be NULL (not needed), dbias NULL when the layer has no bias.  All
  * outputs are overwritten. */
-int comera_tt_linear_bwd_cuda(const comera_tt_linear_desc *d, int path, int dtype,
-                              int64_t batch, const void *dy, const void *x,
-                              const void *t, const void *const *cores,
+int comera_tt_linear_bwd_cuda(const comera_tt_linear_prep *p, int dtype, const void *dy,
+                              const void *x, const void *t, const void *const *cores,
                               const void *const *gates, void *dx,
                               void *const *dcores, void *const *dgates, void *dbias,
                               void *workspace, size_t workspace_bytes,
@@ -80,7 +75,7 @@ int comera_tt_linear_bwd_cuda(const comera_tt_linear_desc *d, int path, int dtyp
 
 /* ---- gate proximal step (comera::gate_prox_) -----------------------------
  *
- * The rule of comera_gate_prox_f32/f64 (comera/rank_adaptive.h) on device
+ * The rule of comera_gate_prox_f32/f64 (comera/gate_prox.h) on device
  * data, all gates of one dtype.  `table` is a device array of 3 * num_gates
  * int64: the gates' device pointers, then the int8 sign vectors' device
  * pointers, then the sizes.  `live` (device, num_gates int64) receives each
@@ -101,7 +96,8 @@ int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double thresh
  * The lookups of comera_tt_embedding_fwd/bwd_* (tt_embedding.h) on device
  * data: the batch's indices and offsets are device pointers, `cores` and
  * `gates` host arrays of device pointers, psw (sum bags only, else NULL)
- * and the outputs device pointers.  `reuse`: NONE contracts every index;
+ * and the outputs device pointers.  The prepared `reuse` (as asked): NONE
+ * contracts every index;
  * DEDUP and PREFIX sort the indices and contract each distinct row once (no
  * prefix sharing on the GPU); AUTO dedups when a row costs more than
  * sorting an index.  The backward always sorts: its sums run in a fixed
@@ -116,19 +112,18 @@ int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double thresh
  *
  * comera_tt_embedding_cuda_workspace gives the workspace bytes of the
  * forward (backward != 0: the backward) for this batch's n and num_bags. */
-int comera_tt_embedding_cuda_workspace(const comera_tt_embedding_desc *d,
+int comera_tt_embedding_cuda_workspace(const comera_tt_embedding_prep *p,
                                        const comera_tt_embedding_batch *b, int dtype,
                                        int backward, size_t *bytes);
 
-int comera_tt_embedding_fwd_cuda(const comera_tt_embedding_desc *d,
+int comera_tt_embedding_fwd_cuda(const comera_tt_embedding_prep *p,
                                  const comera_tt_embedding_batch *b, int dtype, const void *psw,
-                                 int reuse, const void *const *cores, const void *const *gates,
-                                 void *out, void *workspace, size_t workspace_bytes,
-                                 cudaStream_t stream);
+                                 const void *const *cores, const void *const *gates, void *out,
+                                 void *workspace, size_t workspace_bytes, cudaStream_t stream);
 
-int comera_tt_embedding_bwd_cuda(const comera_tt_embedding_desc *d,
+int comera_tt_embedding_bwd_cuda(const comera_tt_embedding_prep *p,
                                  const comera_tt_embedding_batch *b, int dtype, const void *psw,
-                                 int reuse, const void *grad_out, const void *const *cores,
+                                 const void *grad_out, const void *const *cores,
                                  const void *const *gates, void *const *dcores,
                                  void *const *dgates, void *workspace, size_t workspace_bytes,
                                  cudaStream_t stream);

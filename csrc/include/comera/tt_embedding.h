@@ -1,6 +1,6 @@
 /* Tensor-train embedding kernels (TTM format): C ABI.
  *
- * Layout (DESIGN.md section 3): d >= 2 cores, core k (0-based) a contiguous
+ * Layout (docs/design.md section 3): d >= 2 cores, core k (0-based) a contiguous
  * (r[k], v[k], e[k], r[k+1]) array, r[0] = r[d] = 1; gate k (k < d - 1)
  * scales the last rank index of core k.  Row t of the table has the
  * row-major multi-index (i_0..i_{d-1}) over the row modes v (i_0 most
@@ -54,16 +54,12 @@
 
 #include <stdint.h>
 
-#include "comera/tt_linear.h" /* COMERA_OK, COMERA_ERR_*, COMERA_MAX_CORES */
+#include "comera/status.h"
+#include "comera/tt_linear.h" /* COMERA_MAX_CORES */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* An index outside [0, num_embeddings). */
-#define COMERA_ERR_INDEX (-4)
-/* Bag offsets that do not start at 0, decrease, or do not end at n. */
-#define COMERA_ERR_OFFSETS (-5)
 
 enum {
     COMERA_EMB_PLAIN = 0, /* one output row per index */
@@ -112,15 +108,57 @@ typedef struct comera_tt_embedding_plan {
     double seconds[4];                  /* modelled forward time per strategy ([0] unused) */
 } comera_tt_embedding_plan;
 
-/* Validates a descriptor: counts, positive sizes, first/last rank 1, the
- * padding row, and that every size the kernels derive fits in int64.
- * Returns COMERA_OK or an error code. */
+/* Derived sizes of a table, computed once with overflow checks by
+ * comera_tt_embedding_prepare.  Fields are internal (see
+ * csrc/tt_embedding/shape.h); the struct is public so that callers can keep
+ * a prepared call on the stack. */
+typedef struct comera_tt_embedding_shape {
+    int32_t d;
+    int64_t v[COMERA_MAX_CORES], e[COMERA_MAX_CORES], r[COMERA_MAX_CORES + 1];
+    int64_t vstride[COMERA_MAX_CORES];      /* i_k = (t / vstride[k]) % v[k] */
+    int64_t E[COMERA_MAX_CORES];            /* E[k] = e[0] * ... * e[k] */
+    int64_t core_off[COMERA_MAX_CORES + 1]; /* cores back to back in one buffer */
+    int64_t num, dim, dim_pad, padding_idx;
+    /* per-thread partial products R_k (E[k] x r[k+1]), k = 1..d-2 */
+    int64_t state_off[COMERA_MAX_CORES + 1];
+    /* gradient accumulators dR_k, k = 0..d-2 */
+    int64_t acc_off[COMERA_MAX_CORES + 1];
+    /* pre-packed slices of cores 1..d-1: forward B = C_k[:, i] (r[k] x
+     * e[k] r[k+1]) and backward B = C_k[:, i]^T (e[k] r[k+1] x r[k]) */
+    int64_t pf_size[COMERA_MAX_CORES], pf_off[COMERA_MAX_CORES + 1];
+    int64_t pb_size[COMERA_MAX_CORES], pb_off[COMERA_MAX_CORES + 1];
+    int64_t pack_scratch; /* packed dR_k as a B operand (E[k-1] x e[k] r[k+1]) */
+    /* The last level writes only e[d-1] columns (r[d] = 1), which fills a
+     * 16-wide panel of the micro-kernel badly when e[d-1] is small; then it
+     * runs transposed (rows as columns): last_t = 1, with per-thread room
+     * t_pack for the packed R^T or R and t_out for the transposed result. */
+    int32_t last_t;
+    int64_t t_pack, t_out;
+    double level_flops[COMERA_MAX_CORES]; /* [0] = 0: R_0 is a slice, no work */
+    double row_flops;
+} comera_tt_embedding_shape;
+
+/* One table and reuse strategy, validated: what the kernels take. */
+typedef struct comera_tt_embedding_prep {
+    int32_t reuse;          /* as asked (COMERA_REUSE_*), for the CUDA launchers */
+    int32_t reuse_resolved; /* AUTO resolved by the C planner, for the C kernels */
+    comera_tt_embedding_shape shape;
+} comera_tt_embedding_prep;
+
+/* Validates a descriptor (counts, positive sizes, first/last rank 1, the
+ * padding row, and that every size the kernels derive fits in int64) and
+ * `reuse`, and builds the shape once.  Returns COMERA_OK or an error code;
+ * allocates nothing. */
+int comera_tt_embedding_prepare(const comera_tt_embedding_desc *d, int reuse,
+                                comera_tt_embedding_prep *out);
+
+/* The descriptor checks of comera_tt_embedding_prepare alone. */
 int comera_tt_embedding_check(const comera_tt_embedding_desc *d);
 
-/* Validates a batch against a (valid) descriptor.  On COMERA_ERR_INDEX
- * *bad is the position of the first index out of range; on
- * COMERA_ERR_OFFSETS the position of the first bad offset. */
-int comera_tt_embedding_check_batch(const comera_tt_embedding_desc *d,
+/* Validates a batch (host indices and offsets) against a prepared table.
+ * On COMERA_ERR_INDEX *bad is the position of the first index out of range;
+ * on COMERA_ERR_OFFSETS the position of the first bad offset. */
+int comera_tt_embedding_check_batch(const comera_tt_embedding_prep *p,
                                     const comera_tt_embedding_batch *b, int64_t *bad);
 
 /* Fills *plan for this batch.  Returns COMERA_OK or an error code. */
@@ -128,30 +166,33 @@ int comera_tt_embedding_make_plan(const comera_tt_embedding_desc *d,
                                   const comera_tt_embedding_batch *b,
                                   comera_tt_embedding_plan *plan);
 
-/* Output: (n x embedding_dim) in plain mode, (num_bags x embedding_dim) in
+/* The kernels take a prepared table and a batch that passed
+ * comera_tt_embedding_check_batch, and check neither again.
+ *
+ * Output: (n x embedding_dim) in plain mode, (num_bags x embedding_dim) in
  * bag modes; overwritten.  psw (per-sample weights, n entries) may be NULL;
  * it is ignored in plain mode.  nthreads <= 0 means one thread. */
-int comera_tt_embedding_fwd_f32(const comera_tt_embedding_desc *d,
+int comera_tt_embedding_fwd_f32(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const float *psw,
-                                int reuse, const float *const *cores,
-                                const float *const *gates, float *out, int nthreads);
-int comera_tt_embedding_fwd_f64(const comera_tt_embedding_desc *d,
+                                const float *const *cores, const float *const *gates,
+                                float *out, int nthreads);
+int comera_tt_embedding_fwd_f64(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const double *psw,
-                                int reuse, const double *const *cores,
-                                const double *const *gates, double *out, int nthreads);
+                                const double *const *cores, const double *const *gates,
+                                double *out, int nthreads);
 
 /* Gradients of the cores and gates from grad_out (shaped like the forward
  * output).  dcores[k] like core k, dgates[k] like gate k; overwritten. */
-int comera_tt_embedding_bwd_f32(const comera_tt_embedding_desc *d,
+int comera_tt_embedding_bwd_f32(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const float *psw,
-                                int reuse, const float *grad_out,
-                                const float *const *cores, const float *const *gates,
-                                float *const *dcores, float *const *dgates, int nthreads);
-int comera_tt_embedding_bwd_f64(const comera_tt_embedding_desc *d,
+                                const float *grad_out, const float *const *cores,
+                                const float *const *gates, float *const *dcores,
+                                float *const *dgates, int nthreads);
+int comera_tt_embedding_bwd_f64(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const double *psw,
-                                int reuse, const double *grad_out,
-                                const double *const *cores, const double *const *gates,
-                                double *const *dcores, double *const *dgates, int nthreads);
+                                const double *grad_out, const double *const *cores,
+                                const double *const *gates, double *const *dcores,
+                                double *const *dgates, int nthreads);
 
 #ifdef __cplusplus
 }

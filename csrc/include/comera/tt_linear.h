@@ -1,6 +1,6 @@
 /* Tensor-train linear layer kernels: C ABI.
  *
- * Layout (DESIGN.md section 2): D = p + q cores, input side first.  Core k
+ * Layout (docs/design.md section 2): D = p + q cores, input side first.  Core k
  * (0-based) is a contiguous (r[k], dims[k], r[k+1]) array, dims = in_modes
  * followed by out_modes, r[0] = r[D] = 1.  Gate k (k < D - 1) scales the
  * last rank index of core k.  W^T = V U with V = merge(cores 0..p-1), shape
@@ -33,16 +33,11 @@
 
 #include <stdint.h>
 
+#include "comera/status.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-enum {
-    COMERA_OK = 0,
-    COMERA_ERR_ARG = -1,
-    COMERA_ERR_OVERFLOW = -2,
-    COMERA_ERR_NOMEM = -3
-};
 
 enum {
     COMERA_PATH_AUTO = 0,
@@ -69,44 +64,76 @@ typedef struct comera_tt_linear_plan {
     double seconds[3];
 } comera_tt_linear_plan;
 
-/* Validates a descriptor: counts, positive sizes, and that every size the
- * kernels compute (products of modes and ranks, workspace sizes for `batch`
- * rows) fits in int64 without overflow.  Returns COMERA_OK or an error. */
+/* Derived sizes and workspace offsets of a layer, computed once with
+ * overflow checks by comera_tt_linear_prepare.  Fields are internal (see
+ * csrc/tt_linear/shape.h); the struct is public so that callers can keep a
+ * prepared call on the stack. */
+typedef struct comera_tt_linear_shape {
+    int32_t D, p;
+    int64_t dims[COMERA_MAX_CORES];
+    int64_t r[COMERA_MAX_CORES + 1];
+    int64_t core_off[COMERA_MAX_CORES + 1]; /* offsets of cores in one buffer */
+    int64_t in, out, in_pad, out_pad, rmid;
+    /* merge chains: P_k is the product of cores first..k of its chain */
+    int64_t P_off[COMERA_MAX_CORES + 1];
+    /* sequential path, one row: Z_k = (r[k], R_k) for k = 0..p, then
+     * Y_l = (M_l, r[p + l]) for l = 1..q */
+    int64_t R[COMERA_MAX_CORES + 1]; /* R_k = prod dims[k..p-1] */
+    int64_t M[COMERA_MAX_CORES + 1]; /* M_l = prod dims[p..p+l-1] */
+    int64_t Z_off[COMERA_MAX_CORES + 1];
+    int64_t Y_off[COMERA_MAX_CORES + 1];
+    int64_t seq_state_max; /* largest single state, for gradient scratch */
+    int64_t seq_total;
+    double merge_flops;    /* building V and U once */
+    double seq_row_flops;  /* forward flops of one row on the sequential path */
+} comera_tt_linear_shape;
+
+/* One call, validated and planned: what the kernels take. */
+typedef struct comera_tt_linear_prep {
+    int32_t path;  /* COMERA_PATH_MERGE or COMERA_PATH_SEQUENTIAL (AUTO resolved) */
+    int64_t batch; /* rows */
+    comera_tt_linear_shape shape;
+} comera_tt_linear_prep;
+
+/* Validates a descriptor, `batch` and `path` (COMERA_PATH_*): counts,
+ * positive sizes, and that every size the kernels compute (products of
+ * modes and ranks, workspace sizes for `batch` rows) fits in int64.  Builds
+ * the shape once and resolves COMERA_PATH_AUTO with the planner.  Returns
+ * COMERA_OK or an error (COMERA_ERR_ARG, COMERA_ERR_OVERFLOW); allocates
+ * nothing. */
+int comera_tt_linear_prepare(const comera_tt_linear_desc *d, int64_t batch, int path,
+                             comera_tt_linear_prep *out);
+
+/* The checks of comera_tt_linear_prepare alone. */
 int comera_tt_linear_check(const comera_tt_linear_desc *d, int64_t batch);
 
 /* Fills *plan for `batch` rows.  Returns COMERA_OK or an error code. */
 int comera_tt_linear_make_plan(const comera_tt_linear_desc *d, int64_t batch,
                                comera_tt_linear_plan *plan);
 
-/* y (batch x out_features) = x (batch x in_features) W^T + bias; also writes
+/* The kernels take a prepared call and do not check it again.
+ *
+ * y (batch x out_features) = x (batch x in_features) W^T + bias; also writes
  * t (batch x r[p]) = x V, which the backward reuses.  bias may be NULL.
- * path may be COMERA_PATH_AUTO.  nthreads <= 0 means one thread. */
-int comera_tt_linear_fwd_f32(const comera_tt_linear_desc *d, int path,
-                             int64_t batch, const float *x,
-                             const float *const *cores,
-                             const float *const *gates, const float *bias,
-                             float *y, float *t, int nthreads);
-int comera_tt_linear_fwd_f64(const comera_tt_linear_desc *d, int path,
-                             int64_t batch, const double *x,
-                             const double *const *cores,
-                             const double *const *gates, const double *bias,
-                             double *y, double *t, int nthreads);
+ * nthreads <= 0 means one thread.  Returns COMERA_OK or COMERA_ERR_NOMEM. */
+int comera_tt_linear_fwd_f32(const comera_tt_linear_prep *p, const float *x,
+                             const float *const *cores, const float *const *gates,
+                             const float *bias, float *y, float *t, int nthreads);
+int comera_tt_linear_fwd_f64(const comera_tt_linear_prep *p, const double *x,
+                             const double *const *cores, const double *const *gates,
+                             const double *bias, double *y, double *t, int nthreads);
 
 /* Gradients: dx (batch x in_features, may be NULL to skip), dcores[k]
  * shaped like core k, dgates[k] like gate k, dbias (may be NULL).  All
  * outputs are overwritten, not accumulated. */
-int comera_tt_linear_bwd_f32(const comera_tt_linear_desc *d, int path,
-                             int64_t batch, const float *dy, const float *x,
+int comera_tt_linear_bwd_f32(const comera_tt_linear_prep *p, const float *dy, const float *x,
                              const float *t, const float *const *cores,
-                             const float *const *gates, float *dx,
-                             float *const *dcores, float *const *dgates,
-                             float *dbias, int nthreads);
-int comera_tt_linear_bwd_f64(const comera_tt_linear_desc *d, int path,
-                             int64_t batch, const double *dy, const double *x,
-                             const double *t, const double *const *cores,
-                             const double *const *gates, double *dx,
-                             double *const *dcores, double *const *dgates,
-                             double *dbias, int nthreads);
+                             const float *const *gates, float *dx, float *const *dcores,
+                             float *const *dgates, float *dbias, int nthreads);
+int comera_tt_linear_bwd_f64(const comera_tt_linear_prep *p, const double *dy,
+                             const double *x, const double *t, const double *const *cores,
+                             const double *const *gates, double *dx, double *const *dcores,
+                             double *const *dgates, double *dbias, int nthreads);
 
 #ifdef __cplusplus
 }

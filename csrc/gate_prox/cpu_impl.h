@@ -1,0 +1,90 @@
+/* Gate proximal step for one element type.  Included by cpu.c once per type
+ * with REAL (float or double) and FN(name) (adds _f32 / _f64) defined.
+ * Everything here is static; the public names are written out in cpu.c. */
+
+static int FN(has_nan)(const REAL *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (isnan(g[i])) return 1;
+    return 0;
+}
+
+static int8_t FN(sign_of)(REAL v) {
+    return v > 0 ? 1 : v < 0 ? -1 : 0;
+}
+
+/* One gate: returns its live count afterwards. */
+static int64_t FN(prox_one)(REAL *g, int8_t *s, int64_t n, double threshold, int64_t min_live,
+                            int kill) {
+    int64_t live = 0, doomed = 0;
+    /* pass 1: classify; doomed entries are marked s = 2 (or -2) for now */
+    for (int64_t i = 0; i < n; i++) {
+        if (s[i] == 0) {
+            g[i] = 0;
+            continue;
+        }
+        int8_t now = FN(sign_of)(g[i]);
+        if (!kill) {
+            if (now != 0) s[i] = now;
+            live++;
+            continue;
+        }
+        if ((double)fabs((double)g[i]) <= threshold || now != s[i]) {
+            s[i] = (int8_t)(2 * (now != 0 ? now : 1));
+            doomed++;
+        } else {
+            live++;
+        }
+    }
+    /* pass 2: rescue the largest doomed non-zero entries up to min_live */
+    while (live < min_live && doomed > 0) {
+        int64_t best = -1;
+        double best_abs = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            if ((s[i] == 2 || s[i] == -2) && fabs((double)g[i]) > best_abs) {
+                best_abs = fabs((double)g[i]);
+                best = i;
+            }
+        }
+        if (best < 0) break; /* the rest are exactly zero: nothing to keep */
+        s[best] = (int8_t)(s[best] / 2);
+        live++;
+        doomed--;
+    }
+    /* pass 3: the doomed die */
+    for (int64_t i = 0; i < n; i++) {
+        if (s[i] == 2 || s[i] == -2) {
+            s[i] = 0;
+            g[i] = 0;
+        }
+    }
+    return live;
+}
+
+static int FN(gate_prox)(int64_t num_gates, REAL *const *gates, int8_t *const *signs,
+                         const int64_t *sizes, double threshold, int64_t min_live,
+                         int kill, int64_t *live, int nthreads) {
+    if (num_gates < 0 || isnan(threshold) || min_live < 0) return COMERA_ERR_ARG;
+    if (num_gates == 0) return COMERA_OK;
+    if (!gates || !signs || !sizes || !live) return COMERA_ERR_ARG;
+    int64_t total = 0;
+    for (int64_t k = 0; k < num_gates; k++) {
+        if (sizes[k] < 0 || (sizes[k] > 0 && (!gates[k] || !signs[k]))) return COMERA_ERR_ARG;
+        total += sizes[k];
+    }
+    int nt = gate_threads(nthreads, num_gates, total);
+
+    /* NaN first, over everything, so that a NaN anywhere modifies nothing */
+    int any_nan = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(|| : any_nan)
+    for (int64_t k = 0; k < num_gates; k++) {
+        int bad = FN(has_nan)(gates[k], sizes[k]);
+        live[k] = bad ? -1 : 0;
+        any_nan = any_nan || bad;
+    }
+    if (any_nan) return COMERA_GATE_NAN;
+
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t k = 0; k < num_gates; k++)
+        live[k] = FN(prox_one)(gates[k], signs[k], sizes[k], threshold, min_live, kill);
+    return COMERA_OK;
+}

@@ -1,0 +1,107 @@
+/* TT embedding, CPU kernels: the float32/float64 entry points.  The generic
+ * text of the kernels is cpu_impl.h, compiled once per element type; the
+ * public functions below are thin wrappers, written out so that each can be
+ * found by its name.  Checks, index grouping and the planner are in plan.c. */
+#include "tt_embedding/shape.h"
+#include "common/gemm.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------ workspace */
+
+static atomic_flag ws_busy = ATOMIC_FLAG_INIT;
+static void *ws_block;
+static size_t ws_bytes;
+
+void *comera_emb_ws_acquire(size_t bytes, int *cached) {
+    if (!atomic_flag_test_and_set_explicit(&ws_busy, memory_order_acquire)) {
+        if (ws_bytes < bytes) {
+            free(ws_block);
+            ws_block = malloc(bytes);
+            ws_bytes = ws_block ? bytes : 0;
+        }
+        if (ws_block) {
+            *cached = 1;
+            return ws_block;
+        }
+        atomic_flag_clear_explicit(&ws_busy, memory_order_release);
+    }
+    *cached = 0;
+    return malloc(bytes);
+}
+
+void comera_emb_ws_release(void *block, int cached) {
+    if (cached)
+        atomic_flag_clear_explicit(&ws_busy, memory_order_release);
+    else
+        free(block);
+}
+
+/* Below this much work per thread a parallel region costs more than it
+ * saves: fork and join, and on a busy machine threads that spin while they
+ * wait for a core.  Tiny lookups (a few hundred rows of a small table) run
+ * on one thread. */
+#define EMB_MIN_FLOPS_PER_THREAD 2e5
+
+static int threads_for(int nthreads, int64_t items, double flops_per_item) {
+    int nt = nthreads > 0 ? nthreads : 1;
+    double by_work = (double)items * flops_per_item / EMB_MIN_FLOPS_PER_THREAD;
+    if (by_work < nt) nt = by_work < 1.0 ? 1 : (int)by_work;
+    if (items < nt) nt = items > 0 ? (int)items : 1;
+    return nt;
+}
+
+static void unravel(const emb_shape *s, int64_t t, int64_t *idx) {
+    for (int k = 0; k < s->d; k++) idx[k] = (t / s->vstride[k]) % s->v[k];
+}
+
+/* First level whose index differs between two rows (d when equal). */
+static int first_diff(int d, const int64_t *a, const int64_t *b) {
+    int l = 0;
+    while (l < d && a[l] == b[l]) l++;
+    return l;
+}
+
+#define REAL float
+#define FN(name) name##_f32
+#include "tt_embedding/cpu_impl.h"
+#undef REAL
+#undef FN
+
+#define REAL double
+#define FN(name) name##_f64
+#include "tt_embedding/cpu_impl.h"
+#undef REAL
+#undef FN
+
+int comera_tt_embedding_fwd_f32(const comera_tt_embedding_prep *p,
+                                const comera_tt_embedding_batch *b, const float *psw,
+                                const float *const *cores, const float *const *gates,
+                                float *out, int nthreads) {
+    return emb_fwd_prepared_f32(p, b, psw, cores, gates, out, nthreads);
+}
+
+int comera_tt_embedding_fwd_f64(const comera_tt_embedding_prep *p,
+                                const comera_tt_embedding_batch *b, const double *psw,
+                                const double *const *cores, const double *const *gates,
+                                double *out, int nthreads) {
+    return emb_fwd_prepared_f64(p, b, psw, cores, gates, out, nthreads);
+}
+
+int comera_tt_embedding_bwd_f32(const comera_tt_embedding_prep *p,
+                                const comera_tt_embedding_batch *b, const float *psw,
+                                const float *grad_out, const float *const *cores,
+                                const float *const *gates, float *const *dcores,
+                                float *const *dgates, int nthreads) {
+    return emb_bwd_prepared_f32(p, b, psw, grad_out, cores, gates, dcores, dgates, nthreads);
+}
+
+int comera_tt_embedding_bwd_f64(const comera_tt_embedding_prep *p,
+                                const comera_tt_embedding_batch *b, const double *psw,
+                                const double *grad_out, const double *const *cores,
+                                const double *const *gates, double *const *dcores,
+                                double *const *dgates, int nthreads) {
+    return emb_bwd_prepared_f64(p, b, psw, grad_out, cores, gates, dcores, dgates, nthreads);
+}

@@ -1,0 +1,388 @@
+/* TT embedding kernels for one element type.  Included by cpu.c once per
+ * type with REAL (float or double) and FN(name) (adds _f32 / _f64) defined:
+ * one text for both types keeps them from drifting apart.  Everything here
+ * is static; the public names are written out in cpu.c. */
+#include <omp.h>
+
+/* Core 0 times gate 0: its slices are the rows' first partial products. */
+static void FN(emb_gated_core0)(const emb_shape *s, const REAL *const *cores,
+                                const REAL *const *gates, REAL *eff0) {
+    int64_t cols = s->r[1], rows = s->core_off[1] / cols;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) eff0[i * cols + j] = cores[0][i * cols + j] * gates[0][j];
+}
+
+/* In place: dcores[k] holds the gradient of the gated core k on entry and
+ * the gradient of core k on exit; dgates[k] is overwritten. */
+static void FN(emb_finish_grads)(const emb_shape *s, const REAL *const *cores,
+                                 const REAL *const *gates, REAL *const *dcores,
+                                 REAL *const *dgates) {
+    for (int k = 0; k < s->d - 1; k++) {
+        const REAL *c = cores[k], *g = gates[k];
+        REAL *dc = dcores[k], *dg = dgates[k];
+        int64_t cols = s->r[k + 1], rows = (s->core_off[k + 1] - s->core_off[k]) / cols;
+        for (int64_t j = 0; j < cols; j++) dg[j] = 0;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) {
+                dg[j] += dc[i * cols + j] * c[i * cols + j];
+                dc[i * cols + j] *= g[j];
+            }
+    }
+}
+
+/* Packs every gated slice C_k[:, i] of cores 1..d-1 once per call, so the
+ * per-row products run on the micro-kernel without packing: pf as the
+ * forward B operand (r[k] x e[k] r[k+1]), pb (if not NULL) transposed for
+ * the backward.  Returns COMERA_ERR_NOMEM if a scratch slice cannot be
+ * allocated. */
+static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL *const *gates,
+                        REAL *pf, REAL *pb, int nthreads) {
+    int rc = COMERA_OK;
+    for (int k = 1; k < s->d; k++) {
+        int64_t K = s->r[k], rr = s->r[k + 1], N = s->e[k] * rr, rs = s->v[k] * N;
+        const REAL *core = cores[k], *g = k < s->d - 1 ? gates[k] : NULL;
+        int nt = threads_for(nthreads, s->v[k], (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0)));
+#pragma omp parallel num_threads(nt)
+        {
+            REAL *slice = malloc(sizeof(REAL) * (size_t)(K * N));
+            if (!slice) {
+#pragma omp atomic write
+                rc = COMERA_ERR_NOMEM;
+            }
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < s->v[k]; i++) {
+                if (!slice) continue;
+                for (int64_t a = 0; a < K; a++) {
+                    const REAL *src = core + a * rs + i * N;
+                    REAL *dst = slice + a * N;
+                    if (!g) {
+                        memcpy(dst, src, sizeof(REAL) * (size_t)N);
+                        continue;
+                    }
+                    for (int64_t n0 = 0; n0 < N; n0 += rr)
+                        for (int64_t j = 0; j < rr; j++) dst[n0 + j] = src[n0 + j] * g[j];
+                }
+                FN(comera_gemm_pack_b)(K, N, slice, N, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
+                if (pb)
+                    FN(comera_gemm_pack_b)(N, K, slice, 1, N, pb + s->pb_off[k] + i * s->pb_size[k]);
+            }
+            free(slice);
+        }
+    }
+    return rc;
+}
+
+/* What one thread's per-row work reads and writes. */
+typedef struct FN(emb_ctx) {
+    const emb_shape *s;
+    const REAL *eff;      /* gated core 0 */
+    const REAL *pf, *pb;  /* packed slices of cores 1..d-1 */
+    const REAL *last;     /* core d-1 itself, for the transposed last level */
+    REAL *state;          /* R_k, k = 1..d-2 */
+    REAL *acc;            /* dR_k, k = 0..d-2 (backward) */
+    REAL *pack;           /* a packed dR_k (backward) */
+    REAL *tpack, *tout;   /* transposed last level */
+    REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
+} FN(emb_ctx);
+
+/* Carves one thread's scratch out of ws: states, then (backward only)
+ * accumulators and the packing buffer, then the transposed-level buffers.
+ * Returns the number of elements used; the same call with ws == NULL
+ * sizes it. */
+static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, int backward) {
+    int d = s->d;
+    int64_t off = 0;
+    memset(c, 0, sizeof *c);
+    c->s = s;
+    c->state = ws ? ws + off : NULL;
+    off += s->state_off[d - 1];
+    if (backward) {
+        c->acc = ws ? ws + off : NULL;
+        off += s->acc_off[d - 1];
+        c->pack = ws ? ws + off : NULL;
+        off += s->pack_scratch;
+    }
+    c->tpack = ws ? ws + off : NULL;
+    off += s->t_pack;
+    c->tout = ws ? ws + off : NULL;
+    off += s->t_out;
+    return off;
+}
+
+/* R_{k-1} of the row with multi-index idx: a slice of core 0, or a state. */
+static const REAL *FN(emb_prev_state)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
+    const emb_shape *s = c->s;
+    return k == 1 ? c->eff + idx[0] * s->e[0] * s->r[1] : c->state + s->state_off[k - 1];
+}
+
+/* The last level transposed: row^T (e x E) = C_{d-1}[:, i]^T (e x r) times
+ * R^T (r x E), then transposed into dst (E x e). */
+static void FN(emb_last_fwd_t)(const FN(emb_ctx) *c, const int64_t *idx, REAL *dst) {
+    const emb_shape *s = c->s;
+    int k = s->d - 1;
+    int64_t K = s->r[k], M = s->E[k - 1], N = s->e[k];
+    const REAL *R = FN(emb_prev_state)(c, idx, k);
+    FN(comera_gemm_pack_b)(K, M, R, 1, K, c->tpack);
+    FN(comera_gemm_packed)(N, M, K, c->last + idx[k] * N, 1, s->v[k] * N, c->tpack, c->tout, M, 0);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < N; j++) dst[m * N + j] = c->tout[j * M + m];
+}
+
+/* Levels from..to of the chain for row idx: R_k = R_{k-1} C_k[:, i_k];
+ * level d-1 writes the row (dim_pad entries) to dst. */
+static void FN(emb_chain)(const FN(emb_ctx) *c, const int64_t *idx, int from, int to, REAL *dst) {
+    const emb_shape *s = c->s;
+    for (int k = from; k <= to; k++) {
+        if (k == s->d - 1 && s->last_t) {
+            FN(emb_last_fwd_t)(c, idx, dst);
+            continue;
+        }
+        const REAL *A = FN(emb_prev_state)(c, idx, k);
+        REAL *C = k == s->d - 1 ? dst : c->state + s->state_off[k];
+        int64_t N = s->e[k] * s->r[k + 1];
+        FN(comera_gemm_packed)(s->E[k - 1], N, s->r[k], A, s->r[k], 1,
+                               c->pf + s->pf_off[k] + idx[k] * s->pf_size[k], C, N, 0);
+    }
+}
+
+/* Backward of level k >= 1 given X = d(R_{k-1} C_k[:, i_k]) (E[k-1] x
+ * e[k] r[k+1]): the slice gradient += R_{k-1}^T X, dR_{k-1} += X C_k^T. */
+static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, const REAL *X) {
+    const emb_shape *s = c->s;
+    int64_t N = s->e[k] * s->r[k + 1], M = s->E[k - 1], rk = s->r[k], ld = s->v[k] * N;
+    const REAL *R = FN(emb_prev_state)(c, idx, k);
+    REAL *dslice = c->deff[k] + idx[k] * N;
+    if (k == s->d - 1 && s->last_t) {
+        /* slice gradient transposed: (e x r) = X^T (e x E) times R (E x r) */
+        FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
+        FN(comera_gemm_packed)(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);
+        for (int64_t a = 0; a < rk; a++)
+            for (int64_t j = 0; j < N; j++) dslice[a * ld + j] += c->tout[j * rk + a];
+    } else {
+        FN(comera_gemm_pack_b)(M, N, X, N, 1, c->pack);
+        FN(comera_gemm_packed)(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
+    }
+    FN(comera_gemm_packed)(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
+                           c->acc + s->acc_off[k - 1], rk, 1);
+}
+
+/* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down. */
+static void FN(emb_flush)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
+    const emb_shape *s = c->s;
+    REAL *X = c->acc + s->acc_off[k];
+    int64_t n = s->acc_off[k + 1] - s->acc_off[k];
+    if (k == 0) {
+        REAL *slice = c->deff[0] + idx[0] * n;
+        for (int64_t i = 0; i < n; i++) slice[i] += X[i];
+    } else {
+        FN(emb_level_bwd)(c, idx, k, X);
+    }
+    memset(X, 0, sizeof(REAL) * (size_t)n);
+}
+
+static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
+                       const REAL *psw, int reuse, const REAL *const *cores,
+                       const REAL *const *gates, REAL *out, int nthreads) {
+    int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
+    int64_t dim = s->dim, dp = s->dim_pad, used = comera_emb_used(b);
+    emb_rows rows;
+    int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
+    if (rc) return rc;
+    int nt = threads_for(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
+    int direct = !bag && dim == dp; /* rows land straight in the output */
+    FN(emb_ctx) ctx0;
+    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
+    int cached = 0;
+    REAL *pf = comera_emb_ws_acquire(sizeof(REAL) * (size_t)(s->pf_off[d] + 1), &cached);
+    REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
+    REAL *rowbuf = bag ? malloc(sizeof(REAL) * (size_t)(rows.count * dp + 1)) : NULL;
+    int64_t *uid = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
+    if (!eff || !pf || !ws || (bag && (!rowbuf || !uid))) {
+        rc = COMERA_ERR_NOMEM;
+        goto done;
+    }
+    FN(emb_gated_core0)(s, cores, gates, eff);
+    rc = FN(emb_pack)(s, cores, gates, pf, NULL, nthreads);
+    if (rc) goto done;
+    if (!bag && s->padding_idx >= 0)
+        for (int64_t p = 0; p < b->n; p++)
+            if (b->indices[p] == s->padding_idx) memset(out + p * dim, 0, sizeof(REAL) * (size_t)dim);
+#pragma omp parallel num_threads(nt)
+    {
+        /* the team may be smaller than nt (a nested region runs with one
+         * thread), so chunk by the team that actually runs */
+        int tid = omp_get_thread_num(), team = omp_get_num_threads();
+        int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
+        FN(emb_ctx) ctx;
+        REAL *scratch = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 0);
+        ctx.eff = eff;
+        ctx.pf = pf;
+        ctx.last = cores[d - 1];
+        int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
+        for (int64_t u = u0; u < u1; u++) {
+            unravel(s, rows.keys[u], idx);
+            int l = share && u > u0 ? first_diff(d, idx, prev) : 0;
+            if (l > d - 1) l = d - 1;
+            const int64_t *ps = rows.pos + rows.start[u], *pe = rows.pos + rows.start[u + 1];
+            REAL *dst = bag ? rowbuf + u * dp : direct ? out + ps[0] * dim : scratch;
+            FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
+            if (!bag)
+                for (const int64_t *p = ps + direct; p < pe; p++)
+                    memcpy(out + *p * dim, dst, sizeof(REAL) * (size_t)dim);
+            memcpy(prev, idx, sizeof idx);
+        }
+    }
+    if (bag) {
+        for (int64_t p = 0; p < used; p++) uid[p] = -1;
+        for (int64_t u = 0; u < rows.count; u++)
+            for (int64_t j = rows.start[u]; j < rows.start[u + 1]; j++) uid[rows.pos[j]] = u;
+        double per_bag = 2.0 * (double)dim * (double)(b->n / (b->num_bags > 0 ? b->num_bags : 1) + 1);
+        int ntb = threads_for(nthreads, b->num_bags, per_bag);
+#pragma omp parallel for num_threads(ntb) schedule(static)
+        for (int64_t g = 0; g < b->num_bags; g++) {
+            REAL *o = out + g * dim;
+            int64_t cnt = 0;
+            memset(o, 0, sizeof(REAL) * (size_t)dim);
+            for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++) {
+                if (uid[p] < 0) continue;
+                const REAL *row = rowbuf + uid[p] * dp;
+                REAL w = psw ? psw[p] : (REAL)1;
+                for (int64_t j = 0; j < dim; j++) o[j] += w * row[j];
+                cnt++;
+            }
+            if (b->mode == COMERA_EMB_MEAN && cnt > 1)
+                for (int64_t j = 0; j < dim; j++) o[j] /= (REAL)cnt;
+        }
+    }
+done:
+    if (pf) comera_emb_ws_release(pf, cached);
+    free(eff); free(ws); free(rowbuf); free(uid);
+    comera_emb_rows_free(&rows);
+    return rc;
+}
+
+/* Per-position weight of the output gradient in bag modes:
+ * per_sample_weights times 1 / (non-padding entries of the bag) for the
+ * mean; bag_of[p] is the bag that holds position p. */
+static void FN(emb_bag_scales)(const emb_shape *s, const comera_tt_embedding_batch *b,
+                               const REAL *psw, int64_t *bag_of, REAL *scale) {
+    for (int64_t g = 0; g < b->num_bags; g++) {
+        int64_t cnt = 0;
+        for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++)
+            cnt += b->indices[p] != s->padding_idx;
+        REAL inv = b->mode == COMERA_EMB_MEAN && cnt > 0 ? (REAL)1 / (REAL)cnt : (REAL)1;
+        for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++) {
+            bag_of[p] = g;
+            scale[p] = (psw ? psw[p] : (REAL)1) * inv;
+        }
+    }
+}
+
+static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
+                       const REAL *psw, int reuse, const REAL *grad_out,
+                       const REAL *const *cores, const REAL *const *gates,
+                       REAL *const *dcores, REAL *const *dgates, int nthreads) {
+    int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
+    int64_t dim = s->dim, dp = s->dim_pad, nc = s->core_off[d], used = comera_emb_used(b);
+    emb_rows rows;
+    int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
+    if (rc) return rc;
+    int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
+    /* per thread: states, dR accumulators, the row gradient, a packing
+     * buffer.  Thread 0 accumulates the gated-core gradients straight into
+     * dcores, the others into private copies (priv) added on in thread
+     * order, so the sums do not depend on scheduling. */
+    FN(emb_ctx) ctx0;
+    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 1) + dp;
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
+    /* packed slices and the private gradient copies share one reused block */
+    int cached = 0;
+    int64_t npriv = nc * (nt - 1);
+    REAL *pf = comera_emb_ws_acquire(
+        sizeof(REAL) * (size_t)(s->pf_off[d] + s->pb_off[d] + npriv + 1), &cached);
+    REAL *pb = pf ? pf + s->pf_off[d] : NULL;
+    REAL *priv = pf && nt > 1 ? pb + s->pb_off[d] : NULL;
+    if (priv) memset(priv, 0, sizeof(REAL) * (size_t)npriv);
+    REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
+    int64_t *bag_of = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
+    REAL *scale = bag ? malloc(sizeof(REAL) * (size_t)(used + 1)) : NULL;
+    if (!eff || !pf || !pb || !ws || (nt > 1 && !priv) || (bag && (!bag_of || !scale))) {
+        rc = COMERA_ERR_NOMEM;
+        goto done;
+    }
+    for (int k = 0; k < d; k++)
+        memset(dcores[k], 0, sizeof(REAL) * (size_t)(s->core_off[k + 1] - s->core_off[k]));
+    FN(emb_gated_core0)(s, cores, gates, eff);
+    rc = FN(emb_pack)(s, cores, gates, pf, pb, nthreads);
+    if (rc) goto done;
+    if (bag) FN(emb_bag_scales)(s, b, psw, bag_of, scale);
+#pragma omp parallel num_threads(nt)
+    {
+        /* chunk by the team that actually runs (see emb_fwd); accumulators
+         * of threads that never ran stay zero */
+        int tid = omp_get_thread_num(), team = omp_get_num_threads();
+        int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
+        FN(emb_ctx) ctx;
+        REAL *g = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 1);
+        ctx.eff = eff;
+        ctx.pf = pf;
+        ctx.pb = pb;
+        ctx.last = cores[d - 1];
+        for (int k = 0; k < d; k++)
+            ctx.deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
+        int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
+        for (int64_t u = u0; u < u1; u++) {
+            unravel(s, rows.keys[u], idx);
+            int l = share && u > u0 ? first_diff(d, idx, prev) : 0;
+            if (l > d - 1) l = d - 1;
+            /* prefixes of length > l end here: flush with the old path */
+            if (u > u0)
+                for (int k = d - 2; k >= l; k--)
+                    FN(emb_flush)(&ctx, prev, k);
+            FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 2, NULL);
+            /* the row's gradient, summed over its positions in order */
+            memset(g, 0, sizeof(REAL) * (size_t)dp);
+            for (int64_t j = rows.start[u]; j < rows.start[u + 1]; j++) {
+                int64_t p = rows.pos[j];
+                const REAL *src = grad_out + (bag ? bag_of[p] : p) * dim;
+                REAL w = bag ? scale[p] : (REAL)1;
+                for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
+            }
+            FN(emb_level_bwd)(&ctx, idx, d - 1, g);
+            memcpy(prev, idx, sizeof idx);
+        }
+        if (u1 > u0)
+            for (int k = d - 2; k >= 0; k--)
+                FN(emb_flush)(&ctx, prev, k);
+    }
+    for (int th = 1; th < nt; th++) /* fixed order: reproducible sums */
+        for (int k = 0; k < d; k++) {
+            const REAL *src = priv + nc * (th - 1) + s->core_off[k];
+            REAL *dst = dcores[k];
+            for (int64_t i = 0; i < s->core_off[k + 1] - s->core_off[k]; i++) dst[i] += src[i];
+        }
+    FN(emb_finish_grads)(s, cores, gates, dcores, dgates);
+done:
+    if (pf) comera_emb_ws_release(pf, cached);
+    free(eff); free(ws); free(bag_of); free(scale);
+    comera_emb_rows_free(&rows);
+    return rc;
+}
+
+/* The entry points behind the public wrappers in cpu.c. */
+static int FN(emb_fwd_prepared)(const comera_tt_embedding_prep *p,
+                                const comera_tt_embedding_batch *b, const REAL *psw,
+                                const REAL *const *cores, const REAL *const *gates, REAL *out,
+                                int nthreads) {
+    return FN(emb_fwd)(&p->shape, b, psw, p->reuse_resolved, cores, gates, out, nthreads);
+}
+
+static int FN(emb_bwd_prepared)(const comera_tt_embedding_prep *p,
+                                const comera_tt_embedding_batch *b, const REAL *psw,
+                                const REAL *grad_out, const REAL *const *cores,
+                                const REAL *const *gates, REAL *const *dcores,
+                                REAL *const *dgates, int nthreads) {
+    return FN(emb_bwd)(&p->shape, b, psw, p->reuse_resolved, grad_out, cores, gates, dcores,
+                       dgates, nthreads);
+}

@@ -1,0 +1,44 @@
+/* Derived sizes of a TT embedding and the index bookkeeping shared by the
+ * float32 and float64 kernels (internal to csrc/tt_embedding).  Every size
+ * is computed once in comera_emb_shape_build (plan.c) with overflow checks,
+ * so the kernels use plain int64 arithmetic.  The struct itself is public
+ * (comera_tt_embedding_shape) because it is part of a prepared call. */
+#ifndef COMERA_TT_EMBEDDING_SHAPE_H
+#define COMERA_TT_EMBEDDING_SHAPE_H
+
+#include <stddef.h>
+
+#include "comera/tt_embedding.h"
+
+typedef comera_tt_embedding_shape emb_shape;
+
+int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s);
+
+/* The rows a batch needs.  Row u is keys[u]; the positions that read it are
+ * pos[start[u] .. start[u + 1] - 1], ascending.  With dedup the keys are
+ * sorted and distinct; without, row u is the u-th needed position.
+ * Padding positions are in no row. */
+typedef struct emb_rows {
+    int64_t count;
+    int64_t *keys, *start, *pos;
+    int sorted;
+} emb_rows;
+
+int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b,
+                          int dedup, emb_rows *rows);
+void comera_emb_rows_free(emb_rows *rows);
+
+/* The packed cores (and per-thread gradient copies) are about twice the
+ * cores' size and are needed on every call.  Fresh pages from the system
+ * cost more than filling them (page faults, zeroing, unmapping: several ms
+ * for a 1M-row table), so one grow-only block is kept and reused; a call
+ * that finds it in use (concurrent calls) allocates its own.  *cached
+ * tells comera_emb_ws_release which case it was. */
+void *comera_emb_ws_acquire(size_t bytes, int *cached);
+void comera_emb_ws_release(void *block, int cached);
+
+
+/* Positions that belong to a bag: offsets[num_bags] (== n) in bag modes, else n. */
+int64_t comera_emb_used(const comera_tt_embedding_batch *b);
+
+#endif

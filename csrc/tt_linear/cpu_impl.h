@@ -1,0 +1,342 @@
+/* TT linear kernels for one element type.  Included by cpu.c once per type
+ * with REAL (float or double) and FN(name) (adds _f32 / _f64) defined: C has
+ * no templates, and one text for both types keeps them from drifting apart.
+ * Everything here is static; the public names are written out in cpu.c. */
+#include <omp.h>
+
+/* core k times its gate on the last rank index; the last core has none */
+static void FN(make_eff)(const tt_shape *s, const REAL *const *cores,
+                         const REAL *const *gates, REAL *eff) {
+    for (int k = 0; k < s->D; k++) {
+        const REAL *c = cores[k];
+        REAL *e = eff + s->core_off[k];
+        int64_t rows = s->r[k] * s->dims[k], cols = s->r[k + 1];
+        if (k == s->D - 1) {
+            memcpy(e, c, sizeof(REAL) * (size_t)(rows * cols));
+            continue;
+        }
+        const REAL *g = gates[k];
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) e[i * cols + j] = c[i * cols + j] * g[j];
+    }
+}
+
+/* Gradients of the cores and gates from the gradient of the scaled cores. */
+static void FN(eff_grads)(const tt_shape *s, const REAL *const *cores,
+                          const REAL *const *gates, const REAL *deff,
+                          REAL *const *dcores, REAL *const *dgates) {
+    for (int k = 0; k < s->D; k++) {
+        const REAL *c = cores[k], *de = deff + s->core_off[k];
+        REAL *dc = dcores[k];
+        int64_t rows = s->r[k] * s->dims[k], cols = s->r[k + 1];
+        if (k == s->D - 1) {
+            memcpy(dc, de, sizeof(REAL) * (size_t)(rows * cols));
+            continue;
+        }
+        const REAL *g = gates[k];
+        REAL *dg = dgates[k];
+        for (int64_t j = 0; j < cols; j++) dg[j] = 0;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) {
+                dc[i * cols + j] = de[i * cols + j] * g[j];
+                dg[j] += de[i * cols + j] * c[i * cols + j];
+            }
+    }
+}
+
+/* P_first = core first; P_k = P_{k-1} (X x r_k) times core k (r_k x n_k r_{k+1}).
+ * The last P of the V chain is V (in_pad x r_mid); of the U chain, U
+ * (r_mid x out_pad). */
+static int FN(merge_chain)(const tt_shape *s, int first, int last,
+                           const REAL *eff, REAL *P) {
+    int64_t n0 = s->P_off[first + 1] - s->P_off[first];
+    memcpy(P + s->P_off[first], eff + s->core_off[first], sizeof(REAL) * (size_t)n0);
+    for (int k = first + 1; k <= last; k++) {
+        int64_t X = (s->P_off[k] - s->P_off[k - 1]) / s->r[k];
+        int64_t N = s->dims[k] * s->r[k + 1];
+        int rc = FN(comera_gemm)(X, N, s->r[k], P + s->P_off[k - 1], s->r[k], 1,
+                                 eff + s->core_off[k], N, 1, P + s->P_off[k], N, 0);
+        if (rc) return rc;
+    }
+    return COMERA_OK;
+}
+
+/* Back through merge_chain: dP holds d(P_last) at its offset on entry and
+ * is used as scratch; writes d(eff) of cores first..last. */
+static int FN(merge_chain_bwd)(const tt_shape *s, int first, int last,
+                               const REAL *eff, const REAL *P, REAL *dP,
+                               REAL *deff) {
+    for (int k = last; k > first; k--) {
+        int64_t X = (s->P_off[k] - s->P_off[k - 1]) / s->r[k];
+        int64_t N = s->dims[k] * s->r[k + 1];
+        const REAL *Pprev = P + s->P_off[k - 1];
+        const REAL *dPk = dP + s->P_off[k];
+        int rc = FN(comera_gemm)(s->r[k], N, X, Pprev, 1, s->r[k], dPk, N, 1,
+                                 deff + s->core_off[k], N, 0);
+        if (rc) return rc;
+        rc = FN(comera_gemm)(X, s->r[k], N, dPk, N, 1, eff + s->core_off[k], 1, N,
+                             dP + s->P_off[k - 1], s->r[k], 0);
+        if (rc) return rc;
+    }
+    int64_t n0 = s->P_off[first + 1] - s->P_off[first];
+    memcpy(deff + s->core_off[first], dP + s->P_off[first], sizeof(REAL) * (size_t)n0);
+    return COMERA_OK;
+}
+
+static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
+                            const REAL *const *gates, REAL *eff, REAL *P) {
+    FN(make_eff)(s, cores, gates, eff);
+    int rc = FN(merge_chain)(s, 0, s->p - 1, eff, P);
+    if (rc) return rc;
+    return FN(merge_chain)(s, s->p, s->D - 1, eff, P);
+}
+
+static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
+                         const REAL *const *cores, const REAL *const *gates,
+                         const REAL *bias, REAL *y, REAL *t, int nthreads) {
+    int64_t in = s->in, out = s->out, rm = s->rmid;
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
+    REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
+    REAL *Vp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(in, rm));
+    REAL *Up = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(rm, out));
+    int rc = (eff && P && Vp && Up) ? COMERA_OK : COMERA_ERR_NOMEM;
+    if (!rc) rc = FN(build_merges)(s, cores, gates, eff, P);
+    if (!rc) {
+        const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
+        FN(comera_gemm_pack_b)(in, rm, V, rm, 1, Vp);
+        FN(comera_gemm_pack_b)(rm, out, U, s->out_pad, 1, Up);
+        int64_t rb = comera_tt_row_block(s);
+        int64_t blocks = (batch + rb - 1) / rb;
+        int nt = threads_for(nthreads, blocks);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
+            FN(comera_gemm_packed)(nr, rm, in, x + r0 * in, in, 1, Vp, t + r0 * rm, rm, 0);
+            FN(comera_gemm_packed)(nr, out, rm, t + r0 * rm, rm, 1, Up, y + r0 * out, out, 0);
+            if (bias)
+                for (int64_t i = 0; i < nr; i++) {
+                    REAL *yr = y + (r0 + i) * out;
+                    for (int64_t j = 0; j < out; j++) yr[j] += bias[j];
+                }
+        }
+    }
+    free(eff); free(P); free(Vp); free(Up);
+    return rc;
+}
+
+static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
+                         const REAL *x, const REAL *t, const REAL *const *cores,
+                         const REAL *const *gates, REAL *dx, REAL *const *dcores,
+                         REAL *const *dgates, REAL *dbias, int nthreads) {
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    int64_t rb = comera_tt_row_block(s);
+    int64_t blocks = (batch + rb - 1) / rb;
+    int nt = threads_for(nthreads, blocks);
+    /* per thread: [dU; dbias] ((rm + 1) x out), dV^T (rm x in), S block,
+     * [T | 1] block.  The column of ones turns the bias gradient (column
+     * sums of dy) into one more row of the dU product. */
+    int64_t wide = in > out ? in : out;
+    int64_t per = re * out + rm * in + rb * rm + rb * re + comera_gemm_packed_size(rb, wide);
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
+    REAL *deff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
+    REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
+    REAL *dP = calloc((size_t)s->P_off[s->D], sizeof(REAL));
+    REAL *UTp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(out, rm));
+    REAL *VTp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(rm, in));
+    REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
+    int rc = (eff && deff && P && dP && UTp && VTp && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
+    if (!rc) rc = FN(build_merges)(s, cores, gates, eff, P);
+    if (!rc) {
+        const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
+        FN(comera_gemm_pack_b)(out, rm, U, 1, s->out_pad, UTp);
+        FN(comera_gemm_pack_b)(rm, in, V, 1, rm, VTp);
+#pragma omp parallel num_threads(nt)
+        {
+            int tid = omp_get_thread_num();
+            REAL *dUe = ws + per * tid, *dVt = dUe + re * out, *S = dVt + rm * in;
+            REAL *Te = S + rb * rm, *Bp = Te + rb * re;
+            /* stride by the team actually granted: inside another parallel
+             * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
+             * per-thread sums stay zero */
+            int team = omp_get_num_threads();
+            for (int64_t b = tid; b < blocks; b += team) {
+                int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
+                const REAL *dyb = dy + r0 * out, *xb = x + r0 * in;
+                FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, S, rm, 0);
+                if (dx) FN(comera_gemm_packed)(nr, in, rm, S, rm, 1, VTp, dx + r0 * in, in, 0);
+                for (int64_t i = 0; i < nr; i++) {
+                    memcpy(Te + i * re, t + (r0 + i) * rm, sizeof(REAL) * (size_t)rm);
+                    Te[i * re + rm] = 1;
+                }
+                /* dy and x rows lie a power-of-two-ish stride apart, which
+                 * maps a column strip of them onto one cache set: pack the
+                 * block into 16-column panels (contiguous 64-byte copies) */
+                FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, Bp);
+                FN(comera_gemm_packed)(re, out, nr, Te, 1, re, Bp, dUe, out, 1);
+                FN(comera_gemm_pack_b)(nr, in, xb, in, 1, Bp);
+                FN(comera_gemm_packed)(rm, in, nr, S, 1, rm, Bp, dVt, in, 1);
+            }
+        }
+        /* reduce the per-thread sums into d(V) and d(U) at the chain ends */
+        REAL *dVall = dP + s->P_off[s->p - 1], *dUall = dP + s->P_off[s->D - 1];
+        if (dbias)
+            for (int64_t j = 0; j < out; j++) dbias[j] = 0;
+        for (int th = 0; th < nt && !rc; th++) {
+            const REAL *dUe = ws + per * th, *dVt = dUe + re * out;
+            for (int64_t c = 0; c < rm; c++)
+                for (int64_t j = 0; j < out; j++) dUall[c * s->out_pad + j] += dUe[c * out + j];
+            for (int64_t i = 0; i < in; i++)
+                for (int64_t c = 0; c < rm; c++) dVall[i * rm + c] += dVt[c * in + i];
+            if (dbias)
+                for (int64_t j = 0; j < out; j++) dbias[j] += dUe[rm * out + j];
+        }
+        if (!rc) rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
+        if (!rc) rc = FN(merge_chain_bwd)(s, s->p, s->D - 1, eff, P, dP, deff);
+        if (!rc) FN(eff_grads)(s, cores, gates, deff, dcores, dgates);
+    }
+    free(eff); free(deff); free(P); free(dP); free(UTp); free(VTp); free(ws);
+    return rc;
+}
+
+/* One row through the cores; fills the row's Z and Y states in st. */
+static int FN(seq_row_fwd)(const tt_shape *s, const REAL *xr, const REAL *eff, REAL *st) {
+    REAL *Z0 = st + s->Z_off[0];
+    memcpy(Z0, xr, sizeof(REAL) * (size_t)s->in);
+    for (int64_t i = s->in; i < s->in_pad; i++) Z0[i] = 0;
+    for (int k = 0; k < s->p; k++) {
+        int rc = FN(comera_gemm)(s->r[k + 1], s->R[k + 1], s->r[k] * s->dims[k],
+                                 eff + s->core_off[k], 1, s->r[k + 1],
+                                 st + s->Z_off[k], s->R[k + 1], 1,
+                                 st + s->Z_off[k + 1], s->R[k + 1], 0);
+        if (rc) return rc;
+    }
+    for (int l = 1; l <= s->D - s->p; l++) {
+        int c = s->p + l - 1;
+        int64_t N = s->dims[c] * s->r[c + 1];
+        int rc = FN(comera_gemm)(s->M[l - 1], N, s->r[c], st + s->Y_off[l - 1], s->r[c], 1,
+                                 eff + s->core_off[c], N, 1, st + s->Y_off[l], N, 0);
+        if (rc) return rc;
+    }
+    return COMERA_OK;
+}
+
+static int FN(fwd_seq)(const tt_shape *s, int64_t batch, const REAL *x,
+                       const REAL *const *cores, const REAL *const *gates,
+                       const REAL *bias, REAL *y, REAL *t, int nthreads) {
+    int nt = threads_for(nthreads, batch);
+    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
+    REAL *ws = malloc(sizeof(REAL) * (size_t)(s->seq_total * nt));
+    int rc = (eff && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
+    if (!rc) {
+        FN(make_eff)(s, cores, gates, eff);
+        int q = s->D - s->p;
+#pragma omp parallel num_threads(nt)
+        {
+            REAL *st = ws + s->seq_total * omp_get_thread_num();
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < batch; b++) {
+                if (FN(seq_row_fwd)(s, x + b * s->in, eff, st)) {
+#pragma omp atomic write
+                    rc = COMERA_ERR_NOMEM;
+                    continue;
+                }
+                memcpy(t + b * s->rmid, st + s->Z_off[s->p], sizeof(REAL) * (size_t)s->rmid);
+                const REAL *yq = st + s->Y_off[q];
+                REAL *yr = y + b * s->out;
+                for (int64_t j = 0; j < s->out; j++) yr[j] = yq[j] + (bias ? bias[j] : 0);
+            }
+        }
+    }
+    free(eff); free(ws);
+    return rc;
+}
+
+static int FN(bwd_seq)(const tt_shape *s, int64_t batch, const REAL *dy,
+                       const REAL *x, const REAL *const *cores,
+                       const REAL *const *gates, REAL *dx, REAL *const *dcores,
+                       REAL *const *dgates, REAL *dbias, int nthreads) {
+    int nt = threads_for(nthreads, batch);
+    int64_t nc = s->core_off[s->D];
+    /* per thread: states, two gradient scratch states, d(eff), dbias */
+    int64_t per = s->seq_total + 2 * s->seq_state_max + nc + s->out;
+    REAL *eff = malloc(sizeof(REAL) * (size_t)nc);
+    REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
+    int rc = (eff && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
+    if (!rc) {
+        FN(make_eff)(s, cores, gates, eff);
+        int q = s->D - s->p;
+#pragma omp parallel num_threads(nt)
+        {
+            REAL *st = ws + per * omp_get_thread_num();
+            REAL *ga = st + s->seq_total, *gb = ga + s->seq_state_max;
+            REAL *de = gb + s->seq_state_max, *db = de + nc;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < batch; b++) {
+                int err = FN(seq_row_fwd)(s, x + b * s->in, eff, st);
+                const REAL *dyr = dy + b * s->out;
+                for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
+                for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
+                for (int l = q; l >= 1 && !err; l--) {
+                    int c = s->p + l - 1;
+                    int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
+                    err |= FN(comera_gemm)(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
+                                           ga, N, 1, de + s->core_off[c], N, 1);
+                    err |= FN(comera_gemm)(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
+                                           gb, s->r[c], 0);
+                    REAL *tmp = ga; ga = gb; gb = tmp;
+                }
+                for (int k = s->p - 1; k >= 0 && !err; k--) {
+                    int64_t Rn = s->R[k + 1], rows = s->r[k] * s->dims[k];
+                    err |= FN(comera_gemm)(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
+                                           ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
+                    err |= FN(comera_gemm)(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
+                                           ga, Rn, 1, gb, Rn, 0);
+                    REAL *tmp = ga; ga = gb; gb = tmp;
+                }
+                if (err) {
+#pragma omp atomic write
+                    rc = COMERA_ERR_NOMEM;
+                    continue;
+                }
+                if (dx) memcpy(dx + b * s->in, ga, sizeof(REAL) * (size_t)s->in);
+            }
+        }
+        if (!rc) {
+            REAL *dsum = malloc(sizeof(REAL) * (size_t)(nc + s->out));
+            if (!dsum) rc = COMERA_ERR_NOMEM;
+            else {
+                memset(dsum, 0, sizeof(REAL) * (size_t)(nc + s->out));
+                for (int th = 0; th < nt; th++) {
+                    const REAL *de = ws + per * th + s->seq_total + 2 * s->seq_state_max;
+                    for (int64_t i = 0; i < nc + s->out; i++) dsum[i] += de[i];
+                }
+                if (dbias) memcpy(dbias, dsum + nc, sizeof(REAL) * (size_t)s->out);
+                FN(eff_grads)(s, cores, gates, dsum, dcores, dgates);
+                free(dsum);
+            }
+        }
+    }
+    free(eff); free(ws);
+    return rc;
+}
+
+/* The entry points behind the public wrappers in cpu.c. */
+static int FN(fwd)(const comera_tt_linear_prep *p, const REAL *x, const REAL *const *cores,
+                   const REAL *const *gates, const REAL *bias, REAL *y, REAL *t,
+                   int nthreads) {
+    if (p->batch == 0) return COMERA_OK;
+    if (p->path == COMERA_PATH_MERGE)
+        return FN(fwd_merge)(&p->shape, p->batch, x, cores, gates, bias, y, t, nthreads);
+    return FN(fwd_seq)(&p->shape, p->batch, x, cores, gates, bias, y, t, nthreads);
+}
+
+static int FN(bwd)(const comera_tt_linear_prep *p, const REAL *dy, const REAL *x,
+                   const REAL *t, const REAL *const *cores, const REAL *const *gates,
+                   REAL *dx, REAL *const *dcores, REAL *const *dgates, REAL *dbias,
+                   int nthreads) {
+    if (p->path == COMERA_PATH_MERGE && p->batch > 0)
+        return FN(bwd_merge)(&p->shape, p->batch, dy, x, t, cores, gates, dx, dcores, dgates,
+                             dbias, nthreads);
+    return FN(bwd_seq)(&p->shape, p->batch, dy, x, cores, gates, dx, dcores, dgates, dbias,
+                       nthreads);
+}

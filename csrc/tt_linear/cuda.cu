@@ -1,0 +1,593 @@
+// TT linear layer on the GPU: the merge path (docs/design.md section 2).
+//
+//   forward   V = merge(input cores), U = merge(output cores)   small kernels
+//             T = x V          cuBLAS      y = [T 1] [U; b]      cuBLAS
+//   backward  S = dy U^T, dx = S V^T, [dU; db] = [T 1]^T dy,
+//             dV = x^T S       cuBLAS (bfloat16/float16 in, float32 out)
+//             then back through the merges and the gates         small kernels
+//
+// The bias rides along as one more rank: a ones column appended to T and the
+// bias appended to U as a row, so y = T U + b is one GEMM and the bias
+// gradient (the column sums of dy) falls out of the dU GEMM as its last row,
+// with no extra pass over y or dy.
+//
+// Merges and their gradients run in the accumulator type (float32 for the
+// 16-bit types) from the cores as stored; only V and U are rounded to the
+// element type, for the tensor-core GEMMs.
+//
+// Paths: on the GPU every path runs this algorithm.  The sequential path of
+// the C kernels contracts each row core by core; on a GPU that is a chain of
+// batched small products which cuBLAS runs far below peak, and it has more
+// batch flops than merge whenever the ranks exceed about two, while for
+// tiny batches both paths are bound by launch latency and merge launches
+// fewer kernels.  So the planner's GPU answer is always merge; the `path`
+// argument is validated and otherwise ignored here.
+//
+// Nothing here allocates or synchronises: workspace comes from the caller
+// (the torch caching allocator), cuBLAS runs on the caller's handle and
+// stream, so forward and backward can be captured in a CUDA graph.
+// The shape comes prepared by comera_tt_linear_prepare (plan.c).
+#include "common/cuda_common.cuh"
+
+namespace comera_cuda {
+namespace {
+
+typedef comera_tt_linear_shape tt_shape;
+
+// A strided matrix view on a core (element type, optionally scaled by a gate)
+// or on a workspace buffer (accumulator type).  Element (i, j) lives at
+// memory offset o = i * rs + j * cs; a gate scales it by gate[o % gmod],
+// which is the core's last rank index whatever the view's shape.
+template <typename T> struct Mat {
+    const void *base;
+    const T *gate;
+    int64_t rs, cs, gmod;
+    int acc;
+};
+
+template <typename T>
+__host__ __device__ __forceinline__ typename Acc<T>::type mat_at(const Mat<T> &m, int64_t i,
+                                                                 int64_t j) {
+    typedef typename Acc<T>::type A;
+    int64_t o = i * m.rs + j * m.cs;
+    A v = m.acc ? ((const A *)m.base)[o] : to_acc<A>(((const T *)m.base)[o]);
+    if (m.gate) v *= to_acc<A>(m.gate[o % m.gmod]);
+    return v;
+}
+
+// C (M x N, row-major) = A (M x K) B (K x N) over a slice of K: split s of
+// nsplit sums k in [s kchunk, (s + 1) kchunk) into c + s M N.  Splitting K
+// gives the long reductions (core gradients sum over up to thousands of
+// merged rows) enough threads; the splits are added in a fixed order later.
+template <typename T> struct SmallGemm {
+    Mat<T> a, b;
+    typename Acc<T>::type *c;
+    int64_t M, N, K, kchunk, nsplit;
+};
+
+const int kMaxGemms = 4;
+template <typename T> struct SmallGemmBatch {
+    SmallGemm<T> g[kMaxGemms];
+    int64_t start[kMaxGemms + 1];  // prefix sums of M N nsplit
+    int count;
+};
+
+template <typename T> __global__ void small_gemm_kernel(SmallGemmBatch<T> b) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, b.start[b.count]) {
+        int q = 0;
+        while (item >= b.start[q + 1]) q++;
+        const SmallGemm<T> &g = b.g[q];
+        int64_t local = item - b.start[q];
+        int64_t split = local / (g.M * g.N), ij = local % (g.M * g.N);
+        int64_t i = ij / g.N, j = ij % g.N;
+        int64_t k0 = split * g.kchunk, k1 = k0 + g.kchunk < g.K ? k0 + g.kchunk : g.K;
+        A sum = 0;
+        for (int64_t k = k0; k < k1; k++) sum += mat_at(g.a, i, k) * mat_at(g.b, k, j);
+        g.c[split * g.M * g.N + ij] = sum;
+    }
+}
+
+// Writes the element-type operands of the four big GEMMs: vc (in x rm) from
+// V, uc ((rm [+1]) x out) from U [and the bias row], and te (batch x te_ld):
+// with t_src, a copy of t; with te_ld > rm, a ones column at rm.
+template <typename T> struct PackArgs {
+    Mat<T> v, u;
+    T *vc, *uc, *te;
+    const T *bias, *t_src;
+    int64_t in, out, rm, batch, te_ld;
+    int64_t n_v, n_u, n_te;  // items per part
+};
+
+template <typename T> __global__ void pack_kernel(PackArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, a.n_v + a.n_u + a.n_te) {
+        if (item < a.n_v) {
+            int64_t i = item / a.rm, c = item % a.rm;
+            a.vc[item] = from_acc<T, A>(mat_at(a.v, i, c));
+        } else if (item < a.n_v + a.n_u) {
+            int64_t o = item - a.n_v, c = o / a.out, j = o % a.out;
+            a.uc[o] = c < a.rm ? from_acc<T, A>(mat_at(a.u, c, j)) : a.bias[j];
+        } else {
+            int64_t o = item - a.n_v - a.n_u;
+            if (a.t_src) {
+                int64_t r = o / a.te_ld, c = o % a.te_ld;
+                a.te[o] = c < a.rm ? a.t_src[r * a.rm + c] : from_acc<T, A>((A)1);
+            } else {
+                a.te[o * a.te_ld + a.rm] = from_acc<T, A>((A)1);  // o is the row
+            }
+        }
+    }
+}
+
+// d(core) = d(eff) * gate from the split partial sums of d(eff); also keeps
+// the summed d(eff) for the gate gradients, and converts the bias gradient.
+template <typename T> struct CoreGradArgs {
+    const typename Acc<T>::type *src[COMERA_MAX_CORES];
+    int64_t nsplit[COMERA_MAX_CORES];
+    int64_t off[COMERA_MAX_CORES + 1];
+    const T *gate[COMERA_MAX_CORES];
+    int64_t gmod[COMERA_MAX_CORES];
+    T *dcore[COMERA_MAX_CORES];
+    typename Acc<T>::type *deff;
+    const typename Acc<T>::type *dbias_src;
+    T *dbias;
+    int64_t n_bias;
+    int D;
+};
+
+template <typename T> __global__ void core_grad_kernel(CoreGradArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    int64_t total = a.off[a.D];
+    COMERA_FOR_EACH(item, total + a.n_bias) {
+        if (item >= total) {
+            a.dbias[item - total] = from_acc<T, A>(a.dbias_src[item - total]);
+            continue;
+        }
+        int k = 0;
+        while (item >= a.off[k + 1]) k++;
+        int64_t o = item - a.off[k], size = a.off[k + 1] - a.off[k];
+        A s = 0;
+        for (int64_t p = 0; p < a.nsplit[k]; p++) s += a.src[k][p * size + o];
+        a.deff[item] = s;
+        a.dcore[k][o] = from_acc<T, A>(a.gate[k] ? s * to_acc<A>(a.gate[k][o % a.gmod[k]]) : s);
+    }
+}
+
+// d(gate k)[j] = sum_i d(eff k)[i, j] core_k[i, j]: one thread per entry.
+template <typename T> struct GateGradArgs {
+    const typename Acc<T>::type *deff;
+    int64_t off[COMERA_MAX_CORES + 1];
+    int64_t start[COMERA_MAX_CORES];  // prefix sums of the gate sizes
+    int64_t cols[COMERA_MAX_CORES];
+    const T *core[COMERA_MAX_CORES];
+    T *dgate[COMERA_MAX_CORES];
+    int G;
+};
+
+template <typename T> __global__ void gate_grad_kernel(GateGradArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, a.start[a.G]) {
+        int k = 0;
+        while (item >= a.start[k + 1]) k++;
+        int64_t j = item - a.start[k], cols = a.cols[k];
+        int64_t rows = (a.off[k + 1] - a.off[k]) / cols;
+        const A *de = a.deff + a.off[k];
+        A s = 0;
+        for (int64_t i = 0; i < rows; i++)
+            s += de[i * cols + j] * to_acc<A>(a.core[k][i * cols + j]);
+        a.dgate[k][j] = from_acc<T, A>(s);
+    }
+}
+
+const int64_t kSplitChunk = 256;
+
+// ------------------------------------------------------------------ layout
+template <typename T> struct Layer {
+    const tt_shape &s;
+    const T *const *cores;
+    const T *const *gates;
+
+    // core k as (rows x r[k+1]) scaled by its gate (the last core has none)
+    Mat<T> eff(int k, int64_t rs, int64_t cs) const {
+        Mat<T> m;
+        m.base = cores[k];
+        m.gate = k < s.D - 1 ? gates[k] : nullptr;
+        m.gmod = s.r[k + 1];
+        m.rs = rs;
+        m.cs = cs;
+        m.acc = 0;
+        return m;
+    }
+    // P_{k} (rows x r[k+1]) of k's chain: the gated core itself when k opens
+    // its chain (it is never stored), else the merge buffer
+    Mat<T> chain(int k, const typename Acc<T>::type *P, bool transposed) const {
+        int64_t c = s.r[k + 1];
+        if (k == 0 || k == s.p) return transposed ? eff(k, 1, c) : eff(k, c, 1);
+        Mat<T> m;
+        m.base = P + s.P_off[k];
+        m.gate = nullptr;
+        m.gmod = 1;
+        m.rs = transposed ? 1 : c;
+        m.cs = transposed ? c : 1;
+        m.acc = 1;
+        return m;
+    }
+    int64_t rows_of(int k) const { return (s.P_off[k + 1] - s.P_off[k]) / s.r[k + 1]; }
+    int steps() const {
+        int q = s.D - s.p;
+        return (s.p > q ? s.p : q) - 1;
+    }
+};
+
+template <typename T> Mat<T> acc_mat(const typename Acc<T>::type *base, int64_t rs, int64_t cs) {
+    Mat<T> m;
+    m.base = base;
+    m.gate = nullptr;
+    m.gmod = 1;
+    m.rs = rs;
+    m.cs = cs;
+    m.acc = 1;
+    return m;
+}
+
+template <typename T> int launch_gemms(SmallGemmBatch<T> &b, cudaStream_t st) {
+    b.start[0] = 0;
+    for (int i = 0; i < b.count; i++) b.start[i + 1] = b.start[i] + b.g[i].M * b.g[i].N * b.g[i].nsplit;
+    if (b.count == 0 || b.start[b.count] == 0) return COMERA_OK;
+    COMERA_LAUNCH(small_gemm_kernel<T>, b.start[b.count], st, b);
+    return launched();
+}
+
+// P_k = P_{k-1} eff_k for every step of both chains, one launch per step
+// (the two chains' steps run side by side).
+template <typename T> int run_merges(const Layer<T> &L, typename Acc<T>::type *P, cudaStream_t st) {
+    const tt_shape &s = L.s;
+    for (int step = 1; step <= L.steps(); step++) {
+        SmallGemmBatch<T> b;
+        b.count = 0;
+        for (int chain = 0; chain < 2; chain++) {
+            int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
+            int k = first + step;
+            if (k > last) continue;
+            SmallGemm<T> &g = b.g[b.count++];
+            g.M = L.rows_of(k - 1);
+            g.K = s.r[k];
+            g.N = s.dims[k] * s.r[k + 1];
+            g.a = L.chain(k - 1, P, false);
+            g.b = L.eff(k, g.N, 1);
+            g.c = P + s.P_off[k];
+            g.kchunk = g.K > 0 ? g.K : 1;
+            g.nsplit = 1;
+        }
+        int rc = launch_gemms(b, st);
+        if (rc) return rc;
+    }
+    return COMERA_OK;
+}
+
+template <typename T> PackArgs<T> pack_args(const Layer<T> &L, const typename Acc<T>::type *P) {
+    const tt_shape &s = L.s;
+    PackArgs<T> a;
+    a.in = s.in;
+    a.out = s.out;
+    a.rm = s.rmid;
+    a.v = s.p == 1 ? L.eff(0, s.rmid, 1) : acc_mat<T>(P + s.P_off[s.p - 1], s.rmid, 1);
+    a.u = s.D - s.p == 1 ? L.eff(s.D - 1, s.out_pad, 1)
+                         : acc_mat<T>(P + s.P_off[s.D - 1], s.out_pad, 1);
+    a.vc = a.uc = a.te = nullptr;
+    a.bias = a.t_src = nullptr;
+    a.batch = a.te_ld = 0;
+    a.n_v = s.in * s.rmid;
+    a.n_u = s.rmid * s.out;
+    a.n_te = 0;
+    return a;
+}
+
+// ------------------------------------------------------------- workspace
+template <typename T> struct FwdBufs {
+    typename Acc<T>::type *P;
+    T *vc, *ue, *te;
+};
+
+template <typename T> FwdBufs<T> fwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
+    typedef typename Acc<T>::type A;
+    FwdBufs<T> b;
+    b.P = w.take<A>(s.P_off[s.D]);
+    b.vc = w.take<T>(s.in * s.rmid);
+    b.ue = w.take<T>((s.rmid + 1) * s.out);
+    b.te = hb ? w.take<T>(batch * (s.rmid + 1)) : nullptr;
+    return b;
+}
+
+template <typename T> struct BwdBufs {
+    typename Acc<T>::type *P, *dP, *deff;
+    typename Acc<T>::type *part[COMERA_MAX_CORES];
+    int64_t nsplit[COMERA_MAX_CORES];
+    T *vc, *uc, *te, *S;
+};
+
+template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
+    typedef typename Acc<T>::type A;
+    BwdBufs<T> b;
+    b.P = w.take<A>(s.P_off[s.D]);
+    b.dP = w.take<A>(s.P_off[s.D] + s.out_pad);  // + the bias gradient row
+    b.deff = w.take<A>(s.core_off[s.D]);
+    for (int k = 0; k < s.D; k++) {
+        b.part[k] = nullptr;
+        b.nsplit[k] = 1;
+        if (k == 0 || k == s.p) continue;  // chain openers: d(eff) is dP itself
+        int64_t X = (s.P_off[k] - s.P_off[k - 1]) / s.r[k];
+        b.nsplit[k] = (X + kSplitChunk - 1) / kSplitChunk;
+        b.part[k] = w.take<A>(b.nsplit[k] * (s.core_off[k + 1] - s.core_off[k]));
+    }
+    b.vc = w.take<T>(s.in * s.rmid);
+    b.uc = w.take<T>(s.rmid * s.out);
+    b.te = hb ? w.take<T>(batch * (s.rmid + 1)) : nullptr;
+    b.S = w.take<T>(batch * s.rmid);
+    return b;
+}
+
+// ---------------------------------------------------------------- forward
+template <typename T>
+int fwd(const tt_shape &s, int64_t B, const T *x, const T *const *cores, const T *const *gates,
+        const T *bias, T *y, T *t, Arena &w, cublasHandle_t h, cudaStream_t st) {
+    typedef typename Acc<T>::type A;
+    const cudaDataType_t dt = DType<T>::cuda;
+    const cublasComputeType_t ct = DType<T>::compute;
+    bool hb = bias != nullptr;
+    FwdBufs<T> b = fwd_layout<T>(s, B, hb, w);
+    Layer<T> L{s, cores, gates};
+    int rc = run_merges(L, b.P, st);
+    if (rc) return rc;
+    int64_t rm = s.rmid, te_ld = rm + (hb ? 1 : 0);
+    T *te = hb ? b.te : t;
+    PackArgs<T> pa = pack_args(L, (const A *)b.P);
+    pa.vc = b.vc;
+    pa.uc = b.ue;
+    pa.bias = bias;
+    pa.n_u = (rm + (hb ? 1 : 0)) * s.out;
+    pa.te = te;
+    pa.te_ld = te_ld;
+    pa.batch = B;
+    pa.n_te = hb ? B : 0;
+    COMERA_LAUNCH(pack_kernel<T>, pa.n_v + pa.n_u + pa.n_te, st, pa);
+    if ((rc = launched())) return rc;
+    rc = gemm_rm(h, false, false, B, rm, s.in, x, dt, s.in, b.vc, dt, rm, te, dt, te_ld, ct, 0.0);
+    if (rc) return rc;
+    rc = gemm_rm(h, false, false, B, s.out, te_ld, te, dt, te_ld, b.ue, dt, s.out, y, dt, s.out,
+                 ct, 0.0);
+    if (rc) return rc;
+    if (hb && cudaMemcpy2DAsync(t, sizeof(T) * rm, te, sizeof(T) * te_ld, sizeof(T) * rm, B,
+                                cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+        return COMERA_ERR_CUDA;
+    return COMERA_OK;
+}
+
+// --------------------------------------------------------------- backward
+template <typename T>
+int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const T *const *cores,
+        const T *const *gates, T *dx, T *const *dcores, T *const *dgates, T *dbias, Arena &w,
+        cublasHandle_t h, cudaStream_t st) {
+    typedef typename Acc<T>::type A;
+    const cudaDataType_t dt = DType<T>::cuda, at = DType<A>::cuda;
+    const cublasComputeType_t ct = DType<T>::compute;
+    bool hb = dbias != nullptr;
+    BwdBufs<T> b = bwd_layout<T>(s, B, hb, w);
+    Layer<T> L{s, cores, gates};
+    int64_t rm = s.rmid, te_ld = rm + (hb ? 1 : 0);
+    // dV, dU and the bias row are written for the real features only: the
+    // padding and (for batch 0) everything else must read as zero
+    if (cudaMemsetAsync(b.dP, 0, sizeof(A) * (size_t)(s.P_off[s.D] + s.out_pad), st) !=
+        cudaSuccess)
+        return COMERA_ERR_CUDA;
+    int rc = run_merges(L, b.P, st);
+    if (rc) return rc;
+    const T *te = hb ? b.te : t;
+    PackArgs<T> pa = pack_args(L, (const A *)b.P);
+    pa.vc = b.vc;
+    pa.uc = b.uc;
+    pa.te = hb ? b.te : nullptr;
+    pa.t_src = t;
+    pa.te_ld = te_ld;
+    pa.batch = B;
+    pa.n_te = hb ? B * te_ld : 0;
+    COMERA_LAUNCH(pack_kernel<T>, pa.n_v + pa.n_u + pa.n_te, st, pa);
+    if ((rc = launched())) return rc;
+
+    A *dV = b.dP + s.P_off[s.p - 1], *dU = b.dP + s.P_off[s.D - 1];
+    if (B > 0) {
+        // dy is read by the S and dU products back to back, so the second
+        // read mostly hits L2
+        rc = gemm_rm(h, false, true, B, rm, s.out, dy, dt, s.out, b.uc, dt, s.out, b.S, dt, rm, ct,
+                     0.0);
+        if (!rc)
+            rc = gemm_rm(h, true, false, te_ld, s.out, B, te, dt, te_ld, dy, dt, s.out, dU, at,
+                         s.out_pad, ct, 0.0);
+        if (!rc && dx)
+            rc = gemm_rm(h, false, true, B, s.in, rm, b.S, dt, rm, b.vc, dt, rm, dx, dt, s.in, ct,
+                         0.0);
+        if (!rc)
+            rc = gemm_rm(h, true, false, s.in, rm, B, x, dt, s.in, b.S, dt, rm, dV, at, rm, ct, 0.0);
+        if (rc) return rc;
+    }
+
+    // back through the merges: for step k of a chain, d(eff_k) = P_{k-1}^T dP_k
+    // (split over the long sum) and dP_{k-1} = dP_k eff_k^T
+    for (int step = 0; step < L.steps(); step++) {
+        SmallGemmBatch<T> sb;
+        sb.count = 0;
+        for (int chain = 0; chain < 2; chain++) {
+            int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
+            int k = last - step;
+            if (k <= first) continue;
+            int64_t X = L.rows_of(k - 1), N = s.dims[k] * s.r[k + 1];
+            SmallGemm<T> &ge = sb.g[sb.count++];
+            ge.M = s.r[k];
+            ge.N = N;
+            ge.K = X;
+            ge.a = L.chain(k - 1, b.P, true);
+            ge.b = acc_mat<T>(b.dP + s.P_off[k], N, 1);
+            ge.c = b.part[k];
+            ge.kchunk = kSplitChunk;
+            ge.nsplit = b.nsplit[k];
+            SmallGemm<T> &gp = sb.g[sb.count++];
+            gp.M = X;
+            gp.N = s.r[k];
+            gp.K = N;
+            gp.a = acc_mat<T>(b.dP + s.P_off[k], N, 1);
+            gp.b = L.eff(k, 1, N);
+            gp.c = b.dP + s.P_off[k - 1];
+            gp.kchunk = N > 0 ? N : 1;
+            gp.nsplit = 1;
+        }
+        if ((rc = launch_gemms(sb, st))) return rc;
+    }
+
+    CoreGradArgs<T> ca;
+    ca.D = s.D;
+    for (int k = 0; k <= s.D; k++) ca.off[k] = s.core_off[k];
+    for (int k = 0; k < s.D; k++) {
+        bool opener = k == 0 || k == s.p;
+        ca.src[k] = opener ? b.dP + s.P_off[k] : b.part[k];
+        ca.nsplit[k] = opener ? 1 : b.nsplit[k];
+        ca.gate[k] = k < s.D - 1 ? gates[k] : nullptr;
+        ca.gmod[k] = s.r[k + 1];
+        ca.dcore[k] = dcores[k];
+    }
+    ca.deff = b.deff;
+    ca.dbias_src = dU + rm * s.out_pad;
+    ca.dbias = dbias;
+    ca.n_bias = hb ? s.out : 0;
+    COMERA_LAUNCH(core_grad_kernel<T>, s.core_off[s.D] + ca.n_bias, st, ca);
+    if ((rc = launched())) return rc;
+
+    GateGradArgs<T> ga;
+    ga.deff = b.deff;
+    ga.G = s.D - 1;
+    ga.start[0] = 0;
+    for (int k = 0; k <= s.D; k++) ga.off[k] = s.core_off[k];
+    for (int k = 0; k < ga.G; k++) {
+        ga.start[k + 1] = ga.start[k] + s.r[k + 1];
+        ga.cols[k] = s.r[k + 1];
+        ga.core[k] = cores[k];
+        ga.dgate[k] = dgates[k];
+    }
+    COMERA_LAUNCH(gate_grad_kernel<T>, ga.start[ga.G], st, ga);
+    return launched();
+}
+
+// ------------------------------------------------------------- dispatch
+bool dtype_ok(int dtype) { return dtype >= COMERA_DT_F32 && dtype <= COMERA_DT_F16; }
+
+template <typename T> size_t workspace_bytes(const tt_shape &s, int64_t batch, bool hb, bool backward) {
+    Arena w{nullptr, 0};
+    if (backward)
+        bwd_layout<T>(s, batch, hb, w);
+    else
+        fwd_layout<T>(s, batch, hb, w);
+    return w.used + 256;  // room to align the base
+}
+
+size_t workspace_for(const tt_shape &s, int dtype, int64_t batch, bool hb, bool backward) {
+    switch (dtype) {
+        case COMERA_DT_F32: return workspace_bytes<float>(s, batch, hb, backward);
+        case COMERA_DT_F64: return workspace_bytes<double>(s, batch, hb, backward);
+        case COMERA_DT_BF16: return workspace_bytes<__nv_bfloat16>(s, batch, hb, backward);
+        default: return workspace_bytes<__half>(s, batch, hb, backward);
+    }
+}
+
+Arena arena_for(void *ws) {
+    uintptr_t p = ((uintptr_t)ws + 255) & ~(uintptr_t)255;
+    return Arena{(char *)p, 0};
+}
+
+template <typename T>
+int fwd_typed(const tt_shape &s, int64_t batch, const void *x, const void *const *cores,
+              const void *const *gates, const void *bias, void *y, void *t, void *ws,
+              cublasHandle_t h, cudaStream_t st) {
+    Arena w = arena_for(ws);
+    return fwd<T>(s, batch, (const T *)x, (const T *const *)cores, (const T *const *)gates,
+                  (const T *)bias, (T *)y, (T *)t, w, h, st);
+}
+
+template <typename T>
+int bwd_typed(const tt_shape &s, int64_t batch, const void *dy, const void *x, const void *t,
+              const void *const *cores, const void *const *gates, void *dx,
+              void *const *dcores, void *const *dgates, void *dbias, void *ws,
+              cublasHandle_t h, cudaStream_t st) {
+    Arena w = arena_for(ws);
+    return bwd<T>(s, batch, (const T *)dy, (const T *)x, (const T *)t, (const T *const *)cores,
+                  (const T *const *)gates, (T *)dx, (T *const *)dcores, (T *const *)dgates,
+                  (T *)dbias, w, h, st);
+}
+
+}  // namespace
+}  // namespace comera_cuda
+
+using namespace comera_cuda;
+
+extern "C" int comera_tt_linear_cuda_workspace(const comera_tt_linear_prep *p, int dtype,
+                                               int has_bias, int backward, size_t *bytes) {
+    if (!p || !bytes || !dtype_ok(dtype)) return COMERA_ERR_ARG;
+    *bytes = workspace_for(p->shape, dtype, p->batch, has_bias != 0, backward != 0);
+    return COMERA_OK;
+}
+
+extern "C" int comera_tt_linear_fwd_cuda(const comera_tt_linear_prep *p, int dtype, const void *x,
+                                         const void *const *cores, const void *const *gates,
+                                         const void *bias, void *y, void *t, void *workspace,
+                                         size_t workspace_bytes, cublasHandle_t handle,
+                                         cudaStream_t stream) {
+    if (!p || !dtype_ok(dtype)) return COMERA_ERR_ARG;
+    const tt_shape &s = p->shape;
+    const int64_t batch = p->batch;
+    if (batch == 0) return COMERA_OK;
+    if (!x || !cores || !gates || !y || !t || !workspace) return COMERA_ERR_ARG;
+    if (workspace_bytes < workspace_for(s, dtype, batch, bias != nullptr, false))
+        return COMERA_ERR_WORKSPACE;
+    if (cublasSetStream(handle, stream) != CUBLAS_STATUS_SUCCESS) return COMERA_ERR_CUBLAS;
+    switch (dtype) {
+        case COMERA_DT_F32:
+            return fwd_typed<float>(s, batch, x, cores, gates, bias, y, t, workspace, handle, stream);
+        case COMERA_DT_F64:
+            return fwd_typed<double>(s, batch, x, cores, gates, bias, y, t, workspace, handle, stream);
+        case COMERA_DT_BF16:
+            return fwd_typed<__nv_bfloat16>(s, batch, x, cores, gates, bias, y, t, workspace,
+                                            handle, stream);
+        default:
+            return fwd_typed<__half>(s, batch, x, cores, gates, bias, y, t, workspace, handle,
+                                     stream);
+    }
+}
+
+extern "C" int comera_tt_linear_bwd_cuda(const comera_tt_linear_prep *p, int dtype, const void *dy,
+                                         const void *x, const void *t, const void *const *cores,
+                                         const void *const *gates, void *dx,
+                                         void *const *dcores, void *const *dgates, void *dbias,
+                                         void *workspace, size_t workspace_bytes,
+                                         cublasHandle_t handle, cudaStream_t stream) {
+    if (!p || !dtype_ok(dtype)) return COMERA_ERR_ARG;
+    const tt_shape &s = p->shape;
+    const int64_t batch = p->batch;
+    if (!cores || !gates || !dcores || !dgates || !workspace) return COMERA_ERR_ARG;
+    if (batch > 0 && (!dy || !x || !t)) return COMERA_ERR_ARG;
+    if (workspace_bytes < workspace_for(s, dtype, batch, dbias != nullptr, true))
+        return COMERA_ERR_WORKSPACE;
+    if (cublasSetStream(handle, stream) != CUBLAS_STATUS_SUCCESS) return COMERA_ERR_CUBLAS;
+    switch (dtype) {
+        case COMERA_DT_F32:
+            return bwd_typed<float>(s, batch, dy, x, t, cores, gates, dx, dcores, dgates, dbias,
+                                    workspace, handle, stream);
+        case COMERA_DT_F64:
+            return bwd_typed<double>(s, batch, dy, x, t, cores, gates, dx, dcores, dgates, dbias,
+                                     workspace, handle, stream);
+        case COMERA_DT_BF16:
+            return bwd_typed<__nv_bfloat16>(s, batch, dy, x, t, cores, gates, dx, dcores, dgates,
+                                            dbias, workspace, handle, stream);
+        default:
+            return bwd_typed<__half>(s, batch, dy, x, t, cores, gates, dx, dcores, dgates, dbias,
+                                     workspace, handle, stream);
+    }
+}
