@@ -3,8 +3,8 @@
 torch's BuildExtension compiles every non-.cu source as C++, so the C kernels
 (COMERA_C_SOURCES in csrc/build.mk, the one source of their flags) get their
 own build step with C flags and are linked into the extension as a static
-library.  The torch glue is csrc/registration.cpp and csrc/<op>/op.cpp, plus
-csrc/<op>/op_cuda.cpp and csrc/<op>/*.cu with CUDA.
+library.  The torch glue is csrc/registration.cpp and csrc/<op>/op.cpp (its
+CUDA part compiled with COMERA_WITH_CUDA), plus csrc/<op>/*.cu with CUDA.
 
 Environment:
   COMERA_CUDA=auto|0|1   build the CUDA kernels (auto: torch was built with
@@ -199,7 +199,6 @@ def main():
     kwargs = {}
     extra_include, extra_link = [], []
     if with_cuda:
-        sources += sorted(glob.glob(os.path.join("csrc", "*", "op_cuda.cpp")))
         sources += sorted(glob.glob(os.path.join("csrc", "*", "*.cu")))
         define_macros.append(("COMERA_WITH_CUDA", "1"))
         ext_cls = CUDAExtension

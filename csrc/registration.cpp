@@ -1,6 +1,6 @@
 // Every comera operator schema, in one place, and the Python module.
-// Implementations are registered per device in csrc/<op>/op.cpp (CPU) and
-// op_cuda.cpp (CUDA); fakes and autograd are registered from Python
+// Implementations are registered per device (CPU, and CUDA in a CUDA build)
+// in csrc/<op>/op.cpp; fakes and autograd are registered from Python
 // (comera/ops/).
 #include <Python.h>
 #include <torch/library.h>

@@ -1,4 +1,5 @@
-"""The CUDA implementations of the tt_linear operators (csrc/cuda, csrc/torch/cuda).
+"""The CUDA implementations of the tt_linear operators (csrc/tt_linear/cuda.cu and
+its glue, csrc/tt_linear/op.cpp).
 
 Every test here is marked needs_cuda and skipped without a GPU.  Each checks
 the CUDA op against an independent reference: the float64 CPU kernels on the

@@ -1,5 +1,5 @@
-"""The CUDA implementations of the tt_embedding operators (csrc/cuda/tt_embedding*.cu,
-csrc/torch/cuda/tt_embedding_cuda.cpp).
+"""The CUDA implementations of the tt_embedding operators (csrc/tt_embedding/cuda*.cu
+and its glue, csrc/tt_embedding/op.cpp).
 
 Every test here is marked needs_cuda and skipped without a GPU.  Each checks
 the CUDA op against an independent reference: the float64 CPU kernels on the

@@ -1,7 +1,6 @@
-// Helpers of the torch glue (csrc/<op>/op.cpp, op_cuda.cpp), written once:
-// tensor lists, pointer tables, dtype codes, the one mapping of C status
-// codes to Python exceptions, and the embedding batch checks that the CPU
-// and CUDA ops share.
+// Helpers of the torch glue (csrc/<op>/op.cpp), written once: tensor lists,
+// pointer tables, dtype codes, and the one mapping of C status codes to
+// Python exceptions.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,7 +10,6 @@
 #include <vector>
 
 #include "comera/status.h"
-#include "comera/tt_embedding.h"
 
 namespace comera_glue {
 
@@ -80,81 +78,6 @@ void check_status(int rc, const char *op, Detail detail, ArgError arg = ArgError
 
 inline void check_status(int rc, const char *op, ArgError arg = ArgError::Runtime) {
     check_status(rc, op, [](int) { return std::string(); }, arg);
-}
-
-// ---- tt_embedding: the index batch, checked the same way on every device.
-
-// Keeps the converted index and offset tensors alive.
-struct EmbeddingBatch {
-    at::Tensor indices, offsets;
-    comera_tt_embedding_batch b{};
-    int64_t output_rows() const { return b.mode == COMERA_EMB_PLAIN ? b.n : b.num_bags; }
-};
-
-inline at::Tensor as_int64(const char *op, const char *name, const at::Tensor &t,
-                           const at::Device &device) {
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, op, ": ", name,
-                     " must be an int64 or int32 tensor, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D, got ", t.dim(), "-D");
-    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(),
-                      " but the cores are on ", device);
-    return t.to(at::kLong).contiguous();
-}
-
-// Mode, index and offset tensors (dtype, shape, device); the values are
-// checked where they can be read (comera_tt_embedding_check_batch on the CPU).
-inline EmbeddingBatch make_embedding_batch(const char *op, const at::Tensor &indices,
-                                           const std::optional<at::Tensor> &offsets,
-                                           int64_t mode, const at::Device &device) {
-    TORCH_CHECK_VALUE(mode >= COMERA_EMB_PLAIN && mode <= COMERA_EMB_MEAN, op,
-                      ": mode must be 0 (plain), 1 (sum) or 2 (mean), got ", mode);
-    EmbeddingBatch out;
-    out.indices = as_int64(op, "indices", indices, device);
-    out.b.mode = static_cast<int32_t>(mode);
-    out.b.n = out.indices.numel();
-    out.b.indices = out.indices.data_ptr<int64_t>();
-    if (mode == COMERA_EMB_PLAIN) {
-        TORCH_CHECK_VALUE(!offsets.has_value(), op, ": offsets are only valid in bag modes");
-        return out;
-    }
-    TORCH_CHECK_VALUE(offsets.has_value(), op, ": bag modes need offsets");
-    out.offsets = as_int64(op, "offsets", *offsets, device);
-    TORCH_CHECK_VALUE(out.offsets.numel() >= 1, op,
-                      ": offsets must have num_bags + 1 >= 1 entries, got none");
-    out.b.num_bags = out.offsets.numel() - 1;
-    out.b.offsets = out.offsets.data_ptr<int64_t>();
-    return out;
-}
-
-// The messages of a batch that comera_tt_embedding_check_batch refused.
-inline std::string batch_error_detail(int rc, const EmbeddingBatch &batch, int64_t bad,
-                                      int64_t num_embeddings) {
-    if (rc == COMERA_ERR_INDEX)
-        return c10::str(": index ", batch.b.indices[bad], " at position ", bad,
-                        " is out of range for num_embeddings=", num_embeddings,
-                        " (expected 0 <= index < ", num_embeddings, ")");
-    if (rc == COMERA_ERR_OFFSETS)
-        return c10::str(": offsets[", bad, "] = ", batch.b.offsets[bad],
-                        " is invalid: offsets must start at 0, never decrease, and the last "
-                        "one must equal the number of indices (", batch.b.n, ")");
-    return "";
-}
-
-inline at::Tensor check_per_sample_weights(const char *op, const std::optional<at::Tensor> &psw,
-                                           const EmbeddingBatch &batch, at::ScalarType dtype,
-                                           const at::Device &device) {
-    if (!psw.has_value()) return at::Tensor();
-    TORCH_CHECK_VALUE(batch.b.mode == COMERA_EMB_SUM, op,
-                      ": per_sample_weights are only supported with mode 1 (sum), as in "
-                      "nn.EmbeddingBag; got mode ", batch.b.mode);
-    TORCH_CHECK_VALUE(psw->dim() == 1 && psw->size(0) == batch.b.n, op,
-                      ": per_sample_weights must have shape (", batch.b.n, ",), got ",
-                      psw->sizes());
-    TORCH_CHECK_TYPE(psw->scalar_type() == dtype, op, ": per_sample_weights must be ", dtype,
-                     ", got ", psw->scalar_type());
-    TORCH_CHECK_VALUE(psw->device() == device, op, ": per_sample_weights is on ", psw->device(),
-                      " but the cores are on ", device);
-    return psw->contiguous();
 }
 
 }  // namespace comera_glue

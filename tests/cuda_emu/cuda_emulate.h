@@ -1,10 +1,10 @@
-/* Host emulation of the little of CUDA that csrc/cuda uses, so that the
- * kernels and their cuBLAS orchestration can be compiled with g++
- * (-DCOMERA_CUDA_EMULATE) and checked on a machine without a GPU.
+/* Host emulation of the little of CUDA that the kernels (csrc/<op>/cuda.cu)
+ * use, so that the kernels and their cuBLAS orchestration can be compiled
+ * with g++ (-DCOMERA_CUDA_EMULATE) and checked on a machine without a GPU.
  *
  * The kernels are written to need no shared memory, barriers or atomics
- * (see csrc/cuda/common.cuh), so running every (block, thread) pair one after
- * another is exact.  cuBLAS and the runtime calls are emulated in
+ * (see csrc/common/cuda_common.cuh), so running every (block, thread) pair
+ * one after another, in any order, is exact; launch() shuffles the order.  cuBLAS and the runtime calls are emulated in
  * emu_runtime.cpp with their real signatures from the real headers. */
 #ifndef COMERA_CUDA_EMULATE_H
 #define COMERA_CUDA_EMULATE_H
@@ -16,6 +16,7 @@
 #include <vector_types.h>
 
 #include <functional>
+#include <vector>
 
 extern uint3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
@@ -25,5 +26,21 @@ namespace comera_emu {
 extern long launches;
 void launch(unsigned grid, unsigned block, void *stream, const std::function<void()> &body);
 }  // namespace comera_emu
+
+/* A workspace with guard bytes after it.  Every byte starts as 0xFF, which
+ * reads as NaN in float32, float64, bfloat16 and float16 (0xA5 read as a
+ * tiny number and hid reads of unwritten workspace): a kernel that reads a
+ * workspace entry it never wrote turns its result into NaN and fails the
+ * comparison; one that writes past the end leaves a guard byte changed. */
+struct Guarded {
+    std::vector<unsigned char> buf;
+    size_t bytes;
+    explicit Guarded(size_t n) : buf(n + 4096, 0xFF), bytes(n) {}
+    bool intact() const {
+        for (size_t i = bytes; i < buf.size(); i++)
+            if (buf[i] != 0xFF) return false;
+        return true;
+    }
+};
 
 #endif

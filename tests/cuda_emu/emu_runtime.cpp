@@ -1,4 +1,4 @@
-/* CPU stand-ins for the CUDA runtime and cuBLAS calls that csrc/cuda makes,
+/* CPU stand-ins for the CUDA runtime and cuBLAS calls that the kernels make,
  * defined with the signatures of the real headers.  cublasGemmEx checks its
  * arguments the way cuBLAS documents (leading dimensions, supported type
  * combinations) and computes in the requested compute type. */
@@ -9,8 +9,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <random>
 #include <vector>
 
 uint3 threadIdx, blockIdx;
@@ -18,16 +21,33 @@ dim3 blockDim, gridDim;
 
 namespace comera_emu {
 long launches = 0;
+
+// A GPU runs blocks and threads in no fixed order; the kernels must not
+// depend on one.  Each launch runs its (block, thread) pairs in a fresh
+// random order (seed: COMERA_EMU_SEED, default 1), so a kernel that reads
+// what another thread of the same launch writes fails here too.
+static std::mt19937_64 &order_rng() {
+    static std::mt19937_64 rng([] {
+        const char *s = std::getenv("COMERA_EMU_SEED");
+        unsigned long long seed = s ? std::strtoull(s, nullptr, 10) : 1;
+        std::printf("cuda_emu: (block, thread) order shuffled with COMERA_EMU_SEED=%llu\n", seed);
+        return seed;
+    }());
+    return rng;
+}
+
 void launch(unsigned grid, unsigned block, void *, const std::function<void()> &body) {
     launches++;
     gridDim = dim3(grid, 1, 1);
     blockDim = dim3(block, 1, 1);
-    for (unsigned b = 0; b < grid; b++)
-        for (unsigned t = 0; t < block; t++) {
-            blockIdx = make_uint3(b, 0, 0);
-            threadIdx = make_uint3(t, 0, 0);
-            body();
-        }
+    std::vector<uint64_t> order((size_t)grid * block);
+    for (size_t i = 0; i < order.size(); i++) order[i] = i;
+    std::shuffle(order.begin(), order.end(), order_rng());
+    for (uint64_t i : order) {
+        blockIdx = make_uint3((unsigned)(i / block), 0, 0);
+        threadIdx = make_uint3((unsigned)(i % block), 0, 0);
+        body();
+    }
 }
 }  // namespace comera_emu
 

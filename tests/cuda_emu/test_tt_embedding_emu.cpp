@@ -1,4 +1,4 @@
-/* The CUDA TT embedding launchers (csrc/cuda/tt_embedding*.cu), compiled
+/* The CUDA TT embedding launchers (csrc/tt_embedding/cuda*.cu), compiled
  * for the host with the emulation in cuda_emulate.h, against the float64 C
  * kernels (csrc/cpu/tt_embedding.c) as reference, for float64, float32,
  * bfloat16 and float16: plain, sum (with and without per-sample weights) and
@@ -89,17 +89,6 @@ template <typename T> static double rel_err(const std::vector<T> &got, const std
     }
     return got.size() == ref.size() ? num / den : 1e30;
 }
-
-struct Guarded {
-    std::vector<unsigned char> buf;
-    size_t bytes;
-    explicit Guarded(size_t n) : buf(n + 4096, 0xA5), bytes(n) {}
-    bool intact() const {
-        for (size_t i = bytes; i < buf.size(); i++)
-            if (buf[i] != 0xA5) return false;
-        return true;
-    }
-};
 
 struct Layer {
     comera_tt_embedding_desc d{};

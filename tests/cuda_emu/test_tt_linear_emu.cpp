@@ -1,4 +1,4 @@
-/* The CUDA TT linear launchers (csrc/cuda/tt_linear.cu), compiled for the
+/* The CUDA TT linear launchers (csrc/tt_linear/cuda.cu), compiled for the
  * host with the emulation in cuda_emulate.h, against the float64 C kernels
  * (csrc/cpu) as reference, for float64, float32, bfloat16 and float16, with
  * and without bias and input gradient, over layer shapes that exercise
@@ -98,17 +98,6 @@ template <typename T> static std::vector<T> as(const std::vector<double> &v) {
     for (size_t i = 0; i < v.size(); i++) o[i] = from_d<T>(v[i]);
     return o;
 }
-
-struct Guarded {
-    std::vector<unsigned char> buf;
-    size_t bytes;
-    explicit Guarded(size_t n) : buf(n + 4096, 0xA5), bytes(n) {}
-    bool intact() const {
-        for (size_t i = bytes; i < buf.size(); i++)
-            if (buf[i] != 0xA5) return false;
-        return true;
-    }
-};
 
 template <typename T>
 static void run_case(const Case &c, int64_t batch, bool has_bias, bool want_dx, unsigned seed) {

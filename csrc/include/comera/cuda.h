@@ -3,7 +3,7 @@
  * Plain declarations, no torch and no CUDA headers needed to include this:
  * the stream and the cuBLAS handle are opaque pointers here (the same
  * typedefs as cuda_runtime_api.h and cublas_api.h, which may be included
- * before or after).  The torch glue (csrc/<op>/op_cuda.cpp) passes in the current
+ * before or after).  The torch glue (csrc/<op>/op.cpp) passes in the current
  * stream, torch's cuBLAS handle, and a device workspace that it allocated
  * from the caching allocator, so nothing here allocates, frees or waits for
  * the device: every launcher only enqueues work on `stream` and can be
