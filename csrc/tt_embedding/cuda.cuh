@@ -2,7 +2,7 @@
 // (cuda_bwd.cu) on the GPU.
 //
 // Algorithm (every kernel: one thread per output element, no shared memory,
-// no atomics, so results do not depend on scheduling, see common.cuh):
+// no atomics, so results do not depend on scheduling, see common/cuda_common.cuh):
 //
 //   slots     the n index positions become n "slots".  For dedup the slots
 //             are the indices stably sorted (a merge sort: ceil(log2 n)

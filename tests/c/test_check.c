@@ -79,7 +79,7 @@ static const check_case CHECKS[] = {
      COMERA_ERR_OVERFLOW},
 };
 
-/* Known bug: comera_tt_shape_build (tt_linear.c:93) computes
+/* Known bug: comera_tt_shape_build (csrc/tt_linear/plan.c) computes
  * seq_total + 2 * seq_state_max unchecked; with an input range near 2^62 that
  * is a signed overflow (UBSan aborts; the -O2 build happens to return the
  * right code). */

@@ -1,5 +1,5 @@
 /* The fused gate proximal step (comera_gate_prox_f32/_f64) against a naive
- * per-entry transcription of the rule in comera/rank_adaptive.h: dead entries
+ * per-entry transcription of the rule in comera/gate_prox.h: dead entries
  * re-zeroed, deaths by dead zone and by zero crossing, the min_live rescue,
  * kill = 0, NaN (nothing modified), argument errors, many gates on threads. */
 #include "reference.h"
