@@ -10,6 +10,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
+from comera.ops.func import any_batched, func_active, register_loop_vmap
+
+_HALF = (torch.bfloat16, torch.float16)
 
 PATHS = {"auto": 0, "merge": 1, "sequential": 2}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
@@ -53,6 +56,88 @@ def _backward(ctx, grad_y, grad_t):
 
 torch.library.register_autograd("comera::tt_linear", _backward, setup_context=_setup_context)
 
+# ------------------------------------------------------------- torch.func
+class _TTLinearFunction(torch.autograd.Function):
+    """tt_linear for torch.func transforms and forward-mode AD (see comera.ops.func).
+    Inputs are flat: x, bias, num_in_cores, out_features, path, num_cores,
+    *cores, *gates."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, bias, num_in_cores, out_features, path, num_cores, *cg):
+        y, t = torch.ops.comera.tt_linear(x, list(cg[:num_cores]), list(cg[num_cores:]), bias,
+                                          num_in_cores, out_features, path)
+        return y, t
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, bias, num_in_cores, out_features, path, num_cores, *cg = inputs
+        ctx.save_for_backward(x, output[1], *cg)
+        ctx.save_for_forward(x, *cg)
+        ctx.mark_non_differentiable(output[1])
+        ctx.num_cores, ctx.has_bias = num_cores, bias is not None
+        ctx.args = (num_in_cores, out_features, path)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_t):
+        x, t, *cg = ctx.saved_tensors
+        n = ctx.num_cores
+        num_in_cores, out_features, path = ctx.args
+        gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
+            grad_y.contiguous(), x, t, cg[:n], cg[n:], ctx.has_bias, ctx.needs_input_grad[0],
+            num_in_cores, out_features, path)
+        return (gx if ctx.needs_input_grad[0] else None, gb if ctx.has_bias else None,
+                None, None, None, None, *gcores, *ggates)
+
+    @staticmethod
+    def jvp(ctx, dx, dbias, _a, _b, _c, _d, *dcg):
+        # y = f(x, cores, gates) + bias, f linear in x and in each core and gate
+        # separately: the tangent is one f call per input that has a tangent
+        x, *cg = ctx.saved_tensors
+        n = ctx.num_cores
+        num_in_cores, out_features, path = ctx.args
+        out = None
+
+        def add(x_, cg_):
+            nonlocal out
+            y, _ = torch.ops.comera.tt_linear(x_.contiguous(), list(cg_[:n]), list(cg_[n:]),
+                                              None, num_in_cores, out_features, path)
+            out = y if out is None else out + y
+
+        if dx is not None:
+            add(dx, cg)
+        for k, d in enumerate(dcg):
+            if d is not None:
+                add(x, cg[:k] + [d] + cg[k + 1:])
+        if dbias is not None:
+            out = dbias.expand(x.shape[0], out_features) if out is None else out + dbias
+        if out is None:
+            out = x.new_zeros(x.shape[0], out_features)
+        return out, None
+
+
+def _linear_function(x, cores, gates, bias, num_in_cores, out_features, path):
+    y, _ = _TTLinearFunction.apply(x, bias, num_in_cores, out_features, path, len(cores),
+                                   *cores, *gates)
+    return y
+
+
+def _fold_forward(info, in_dims, x, cores, gates, bias, num_in_cores, out_features, path):
+    """Only x batched: its batch dim joins the rows, exactly."""
+    if any_batched(in_dims[1:]):
+        return None
+    B = info.batch_size
+    xb = x.movedim(in_dims[0], 0)
+    rows = xb.shape[1]
+    y, t = torch.ops.comera.tt_linear(xb.reshape(B * rows, xb.shape[-1]).contiguous(), cores,
+                                      gates, bias, num_in_cores, out_features, path)
+    return (y.reshape(B, rows, -1), t.reshape(B, rows, -1)), (0, 0)
+
+
+register_loop_vmap("tt_linear", _fold_forward)
+register_loop_vmap("tt_linear_backward")
+
+
 # Autocast (AMP): the TT contractions always accumulate in float32.  On CPU,
 # called directly under autocast, the op casts its floating inputs to float32
 # (never float64 ones) and returns float32, like autocast's "fp32 ops"; the
@@ -79,12 +164,19 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
 
     ``cores`` (input cores first) and ``gates`` follow docs/design.md section 2;
     computation happens in the cores' dtype (a bfloat16/float16 ``x`` is
-    computed in float32 and returned in its own dtype).  Under
+    computed in float32 and returned in its own dtype).  bfloat16/float16
+    cores: on CUDA the kernels take them (float32 accumulation); on the CPU,
+    whose kernels take float32/float64 only, cores, gates, bias and ``x`` are
+    cast to float32 per call and the result is cast back (gradients reach the
+    half-precision parameters through the casts).  Under
     ``torch.autocast("cpu")`` a float32 layer computes in float32 and returns
     autocast's dtype (bfloat16 by default), as ``F.linear`` does.  Under
     ``torch.autocast("cuda")`` a CUDA call runs in the autocast dtype with
     float32 accumulation, like :class:`torch.nn.Linear`: cores, gates and bias
     are cast per call and their gradients flow back in their own dtype.
+    Under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``)
+    and forward-mode AD the call goes through an ``autograd.Function`` with
+    ``setup_context``, a vmap rule and a ``jvp`` (see :mod:`comera.ops.func`).
 
     Example:
         >>> import torch, comera
@@ -101,12 +193,22 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         cores = [c.to(compute) for c in cores]
         gates = [g.to(compute) for g in gates]
         bias = bias.to(compute) if bias is not None else None
+    elif compute in _HALF and not x.is_cuda:
+        # the CPU kernels take float32/float64 only: float32 math, module dtype out
+        compute = torch.float32
+        cores = [c.float() for c in cores]
+        gates = [g.float() for g in gates]
+        bias = bias.float() if bias is not None else None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != compute:
         x2 = x2.to(compute)
-    y, _ = torch.ops.comera.tt_linear(x2.contiguous(), list(cores), list(gates), bias,
-                                      num_in_cores, out_features, PATHS[path])
+    if func_active():
+        y = _linear_function(x2.contiguous(), list(cores), list(gates), bias, num_in_cores,
+                             out_features, PATHS[path])
+    else:
+        y, _ = torch.ops.comera.tt_linear(x2.contiguous(), list(cores), list(gates), bias,
+                                          num_in_cores, out_features, PATHS[path])
     out_dtype = y.dtype if autocast else (_autocast_dtype(x, compute) or x.dtype)
     if y.dtype != out_dtype:
         y = y.to(out_dtype)

@@ -1,0 +1,93 @@
+"""torch.func support shared by the comera operators.
+
+The operators' autograd is registered with ``torch.library.register_autograd``
+(one path for eager calls, the modules, ``torch.compile`` and
+``torch.export``).  torch generates an ``autograd.Function`` for it without
+``setup_context``, which torch.func transforms (``grad``, ``vjp``,
+``jacrev``, per-sample gradients with ``vmap(grad(...))``) refuse, and
+without a forward-mode formula.  So under a torch.func transform, or while
+forward-mode AD is active, the Python wrappers (:func:`comera.ops.tt_linear`,
+:func:`comera.ops.tt_embedding`, hence the modules) call the operators
+through an ``autograd.Function`` of their own with ``setup_context``,
+``generate_vmap_rule`` and a ``jvp`` (the TT maps are multilinear in the
+input, every core and every gate, so a tangent is a sum of forward calls).
+Elsewhere nothing changes.
+
+The operators themselves get vmap rules (:func:`register_loop_vmap`):
+a batch dim only on the rows is folded into the rows where that is exact
+(the forward ops), and everything else is computed one batch entry at a time
+and stacked, which is always exact (per-sample core gradients need the
+per-sample backward, not the summed one).
+"""
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.autograd import forward_ad
+
+_peek = torch._C._functorch.peek_interpreter_stack
+_compiling = torch.compiler.is_compiling
+
+
+def func_active() -> bool:
+    """True under a torch.func transform or with forward-mode AD active (never
+    while torch.compile traces: the registered autograd serves it)."""
+    return (_peek() is not None or forward_ad._current_level >= 0) and not _compiling()
+
+
+def _pick(value, dim: Optional[int], b: int):
+    if dim is None or value is None:
+        return value
+    return value.select(dim, b)
+
+
+def _unbatch(args: Sequence, in_dims: Sequence, b: int) -> List:
+    out = []
+    for a, d in zip(args, in_dims):
+        if isinstance(a, (list, tuple)):
+            dims = d if isinstance(d, (list, tuple)) else [d] * len(a)
+            out.append([_pick(t, dd, b) for t, dd in zip(a, dims)])
+        else:
+            out.append(_pick(a, d, b))
+    return out
+
+
+def _stack(results: List):
+    first = results[0]
+    if isinstance(first, (list, tuple)):
+        parts = [_stack([r[i] for r in results]) for i in range(len(first))]
+        stacked = type(first)(p[0] for p in parts) if isinstance(first, tuple) else [p[0] for p in parts]
+        dims = tuple(p[1] for p in parts) if isinstance(first, tuple) else [p[1] for p in parts]
+        return stacked, dims
+    return torch.stack(results), 0
+
+
+def loop(op: Callable, info, in_dims: Sequence, args: Sequence) -> Tuple[object, object]:
+    """Runs ``op`` once per batch entry and stacks the outputs along dim 0."""
+    results = [op(*_unbatch(args, in_dims, b)) for b in range(info.batch_size)]
+    return _stack(results)
+
+
+def any_batched(in_dims: Sequence) -> bool:
+    for d in in_dims:
+        if isinstance(d, (list, tuple)):
+            if any(x is not None for x in d):
+                return True
+        elif d is not None:
+            return True
+    return False
+
+
+def register_loop_vmap(name: str, fold: Optional[Callable] = None) -> None:
+    """Registers a vmap rule for ``comera::<name>``: ``fold(info, in_dims, *args)``
+    may return ``(output, out_dims)`` for the cases it computes exactly in one
+    call, or None; otherwise the op runs once per batch entry."""
+    op = getattr(torch.ops.comera, name).default
+
+    def rule(info, in_dims, *args):
+        if fold is not None:
+            out = fold(info, in_dims, *args)
+            if out is not None:
+                return out
+        return loop(op, info, in_dims, args)
+
+    torch.library.register_vmap(f"comera::{name}", rule)
