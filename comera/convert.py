@@ -23,7 +23,7 @@ logger = logging.getLogger("comera")
 
 Patterns = Union[None, str, Sequence[str]]
 RankSpec = Union[int, Sequence[int], Mapping[str, Union[int, Sequence[int]]]]
-_FLOAT = (torch.float32, torch.float64)
+_FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TIES = ("keep", "untie", "skip")
 
 
@@ -125,7 +125,7 @@ def _structural_reason(layer: _Layer) -> Optional[str]:
         return "inside nn.MultiheadAttention, which reads out_proj.weight directly"
     if type(m) not in (nn.Linear, nn.Embedding):
         return f"{type(m).__name__} is a subclass whose forward may differ from its base"
-    if m.weight.dtype not in _FLOAT + (torch.bfloat16, torch.float16):
+    if m.weight.dtype not in _FLOAT:
         return f"weight dtype {m.weight.dtype} is not a floating type TT layers support"
     if layer.kind == "linear" and (m.in_features < 1 or m.out_features < 1):
         return "empty layer"
@@ -134,9 +134,6 @@ def _structural_reason(layer: _Layer) -> Optional[str]:
             return "max_norm / sparse / scale_grad_by_freq are not supported by TTEmbedding"
         if m.num_embeddings < 1 or m.embedding_dim < 1:
             return "empty layer"
-        if m.weight.dtype not in _FLOAT:
-            return (f"a {m.weight.dtype} embedding would become float32 and change the dtype the "
-                    "rest of the model sees")
     return None
 
 
@@ -154,7 +151,7 @@ def _selection_reason(layer: _Layer, include, exclude, embeddings: bool) -> Opti
 
 # ------------------------------------------------------------------- building
 def _tt_dtype(m: nn.Module) -> torch.dtype:
-    return m.weight.dtype if m.weight.dtype in _FLOAT else torch.float32
+    return m.weight.dtype
 
 
 def _build_random(layer: _Layer, rank) -> nn.Module:
@@ -176,7 +173,11 @@ def _match_scale(layer: _Layer) -> None:
     square of the dense weight it replaces.  For a layer built with its
     default init this is that init's variance; for a model with its own init
     (HF models draw N(0, 0.02^2)) it keeps the model's scale.  A zero dense
-    weight keeps the TT layer's own default init."""
+    weight, or one on the meta device (no values yet: the model is
+    initialised later, e.g. by ``to_empty`` + ``reset_parameters`` or by
+    loading a checkpoint), keeps the TT layer's own default init."""
+    if layer.module.weight.device.type == "meta":
+        return
     target = layer.module.weight.detach().float().pow(2).mean().item()
     current = layer.new.weight.detach().float().pow(2).mean().item()
     if not (target > 0 and current > 0) or target == float("inf"):
@@ -195,6 +196,10 @@ def _core_params(module: nn.Module) -> int:
 def _load_svd(layer: _Layer, rank) -> nn.Module:
     """The TT-SVD of the dense weight (bias handled by the caller)."""
     m, new = layer.module, layer.new
+    if m.weight.device.type == "meta":
+        raise ValueError(f"convert: init='svd' needs the weights of '{layer.name}', which is on "
+                         "the meta device (no values): use init='random', or load the weights "
+                         "first")
     if layer.kind == "linear":
         return new.load_dense_(m.weight, None)
     emb = TTEmbedding.from_dense(m, rank=rank)
@@ -205,12 +210,8 @@ def _finish(layer: _Layer) -> None:
     """Bias, requires_grad and train/eval mode carried over from the dense layer."""
     old, new = layer.module, layer.new
     if layer.kind == "linear" and old.bias is not None:
-        if old.bias.dtype == new.cores[0].dtype:
-            new.bias = old.bias  # the same Parameter: a bias shared with another module stays shared
-        else:                    # a half-precision layer: the TT layer keeps a float32 copy
-            with torch.no_grad():
-                new.bias.copy_(old.bias)
-            new.bias.requires_grad_(old.bias.requires_grad)
+        # the same Parameter: a bias shared with another module stays shared
+        new.bias = old.bias
     trainable = old.weight.requires_grad
     for p in list(new.cores) + list(new.gates):
         p.requires_grad_(trainable)
@@ -282,9 +283,12 @@ def convert(model: nn.Module, *, rank: RankSpec, include: Patterns = None, exclu
             ``"untie"``: every layer gets its own TT weight (logged as a
             warning).  ``"skip"``: tied layers stay dense.
 
-    Device, dtype (float32/float64; bfloat16/float16 Linear layers get float32
-    TT cores and keep returning the input's dtype) and train/eval mode are
-    kept; frozen weights give frozen cores.  nn.Linear/nn.Embedding
+    Device, dtype (float32, float64, bfloat16, float16: a bfloat16 model gets
+    bfloat16 cores; on the CPU their math runs in float32) and train/eval
+    mode are kept; frozen weights give frozen cores.  A model built on the
+    meta device converts too (``init="random"``): its TT layers are on the
+    meta device and get values from ``to_empty`` + ``reset_parameters`` or a
+    checkpoint.  nn.Linear/nn.Embedding
     subclasses and the out_proj of nn.MultiheadAttention (which reads the
     weight directly) stay dense.  A per-layer summary is logged (logger
     ``"comera"``, level INFO).  Returns ``model``.

@@ -11,6 +11,8 @@ from comera.layer_base import TTLayerMixin
 from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
 
 DEFAULT_CORES = 3
+_HALF = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.float64) + _HALF
 
 
 def arrange_row_modes(row_modes: Sequence[int]) -> List[int]:
@@ -159,8 +161,8 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         if reuse not in REUSE:
             raise ValueError(f"reuse must be one of {sorted(REUSE)}, got {reuse!r}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.mode = padding_idx, mode
         self.include_last_offset = bool(include_last_offset)
@@ -171,14 +173,35 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         ranks = tt.resolve_ranks(rank, dims)
         self._check_fits(ranks)
         full = [1] + ranks + [1]
-        # nn.Embedding draws N(0, 1) entries: match that variance
-        std = tt.init_std(len(dims), ranks, 1.0)
         factory = {"device": device, "dtype": dtype}
         self.cores = nn.ParameterList(
-            nn.Parameter(torch.randn(full[k], self.row_shape[k], self.dim_shape[k], full[k + 1],
-                                     **factory) * std)
+            nn.Parameter(torch.empty(full[k], self.row_shape[k], self.dim_shape[k], full[k + 1],
+                                     **factory))
             for k in range(len(dims)))
-        self.gates = nn.ParameterList(nn.Parameter(torch.ones(r, **factory)) for r in ranks)
+        self.gates = nn.ParameterList(nn.Parameter(torch.empty(r, **factory)) for r in ranks)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draws the construction-time initialisation again, in place (for the
+        current ranks): cores with iid normal entries scaled so the table has
+        unit variance, like nn.Embedding's N(0, 1); gates 1.  The padding row
+        reads as zero whatever the cores hold.  Works after ``to_empty()`` of
+        a layer built on the meta device.
+
+        Example:
+            >>> import torch, comera
+            >>> with torch.device("meta"):
+            ...     emb = comera.TTEmbedding(30522, 768, rank=8, padding_idx=0)
+            >>> emb = emb.to_empty(device="cpu")
+            >>> emb.reset_parameters()
+            >>> emb(torch.tensor([0, 5])).abs().sum(-1).gt(0).tolist()
+            [False, True]
+        """
+        std = tt.init_std(len(self.cores), self.ranks, 1.0)
+        tt.normal_cores_(list(self.cores), std)
+        for g in self.gates:
+            g.fill_(1)
 
     def _check_fits(self, ranks):
         """Sizes whose products overflow int64 are refused before the cores
@@ -189,8 +212,10 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                                             enumerate(zip(self.row_shape, self.dim_shape))],
                             "shape and rank")
         try:
+            # an explicit CPU tensor: under `with torch.device("meta")` the
+            # planner still gets real (empty) indices
             torch.ops.comera.tt_embedding_plan(
-                torch.empty(0, dtype=torch.int64), None, list(self.row_shape),
+                torch.empty(0, dtype=torch.int64, device="cpu"), None, list(self.row_shape),
                 list(self.dim_shape), full, self.num_embeddings, self.embedding_dim, -1, 0)
         except ValueError as err:
             raise ValueError(f"TTEmbedding: shape ({self.row_shape}, {self.dim_shape}) and ranks "
@@ -257,14 +282,19 @@ class TTEmbedding(TTLayerMixin, nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The reconstructed table ``(num_embeddings, embedding_dim)``, padding
-        row zero (differentiable)."""
-        full = ttm_full(list(self.cores), list(self.gates))
+        row zero (differentiable; for bfloat16/float16 layers computed in
+        float32 and rounded once to the layer's dtype)."""
+        cores, gates = list(self.cores), list(self.gates)
+        dtype = cores[0].dtype
+        if dtype in _HALF:  # float32 math, as in forward
+            cores, gates = [c.float() for c in cores], [g.float() for g in gates]
+        full = ttm_full(cores, gates)
         w = full[: self.num_embeddings, : self.embedding_dim]
         if self.padding_idx is not None:
             keep = torch.ones(self.num_embeddings, 1, dtype=w.dtype, device=w.device)
             keep[self.padding_idx] = 0
             w = w * keep
-        return w
+        return w.to(dtype)
 
     def to_dense(self) -> Union[nn.Embedding, nn.EmbeddingBag]:
         """An equivalent :class:`torch.nn.Embedding` (or :class:`torch.nn.EmbeddingBag`
@@ -322,7 +352,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
             raise ValueError(f"weight must be 2-D (num_embeddings, embedding_dim), got "
                              f"{tuple(weight.shape)}")
         num, dim = weight.shape
-        dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        dtype = weight.dtype if weight.dtype in _DTYPES else torch.float32
         layer = cls(num, dim, rank=rank, shape=shape, padding_idx=padding_idx, mode=mode,
                     include_last_offset=include_last_offset, reuse=reuse,
                     device=weight.device, dtype=dtype)

@@ -10,6 +10,7 @@ from comera.layer_base import TTLayerMixin
 from comera.ops.linear import PATHS, tt_linear, tt_linear_plan
 
 _HALF = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.float64) + _HALF
 
 
 def _check_shape(shape, features, name):
@@ -78,8 +79,8 @@ class TTLinear(TTLayerMixin, nn.Module):
             if not 1 <= v <= tt.INT64_MAX:
                 raise ValueError(f"{name} must be in [1, 2**63 - 1], got {v}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
         if path not in PATHS:
             raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
         self.in_features, self.out_features = in_features, out_features
@@ -90,18 +91,42 @@ class TTLinear(TTLayerMixin, nn.Module):
         ranks = tt.resolve_ranks(rank, dims)
         _check_fits(self.in_shape, self.out_shape, ranks, in_features, out_features)
         full = [1] + ranks + [1]
-        std = tt.init_std(len(dims), ranks, 1.0 / (3.0 * in_features))
         factory = {"device": device, "dtype": dtype}
         self.cores = nn.ParameterList(
-            nn.Parameter(torch.randn(full[k], dims[k], full[k + 1], **factory) * std)
+            nn.Parameter(torch.empty(full[k], dims[k], full[k + 1], **factory))
             for k in range(len(dims)))
-        self.gates = nn.ParameterList(nn.Parameter(torch.ones(r, **factory)) for r in ranks)
+        self.gates = nn.ParameterList(nn.Parameter(torch.empty(r, **factory)) for r in ranks)
         if bias:
-            bound = 1.0 / math.sqrt(in_features)
-            self.bias = nn.Parameter(torch.empty(out_features, **factory).uniform_(-bound, bound))
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
         else:
             self.register_parameter("bias", None)
         self._last_batch = 1
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draws the construction-time initialisation again, in place (for the
+        current ranks): cores with iid normal entries scaled so the weight has
+        variance ``1 / (3 in_features)``, like nn.Linear's; gates 1; bias
+        uniform in ``+-1/sqrt(in_features)``.  Works after ``to_empty()`` of a
+        layer built on the meta device.
+
+        Example:
+            >>> import torch, comera
+            >>> with torch.device("meta"):
+            ...     layer = comera.TTLinear(64, 32, rank=4)
+            >>> layer = layer.to_empty(device="cpu")
+            >>> layer.reset_parameters()
+            >>> bool(layer.weight.abs().sum() > 0)
+            True
+        """
+        std = tt.init_std(len(self.cores), self.ranks, 1.0 / (3.0 * self.in_features))
+        tt.normal_cores_(list(self.cores), std)
+        for g in self.gates:
+            g.fill_(1)
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            self.bias.uniform_(-bound, bound)
 
     # ----------------------------------------------------------------- shape
     @property
@@ -128,7 +153,8 @@ class TTLinear(TTLayerMixin, nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"TTLinear input must be a floating-point tensor, got {x.dtype}")
         w = self.cores[0]
-        if x.dtype != w.dtype and not (x.dtype in _HALF and w.dtype == torch.float32):
+        if x.dtype != w.dtype and not (x.dtype in _HALF and w.dtype == torch.float32) \
+                and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"TTLinear input dtype {x.dtype} does not match the layer's {w.dtype} "
                             "(bfloat16/float16 input is accepted by float32 layers)")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -161,13 +187,18 @@ class TTLinear(TTLayerMixin, nn.Module):
     def _dense_wt(self) -> torch.Tensor:
         p = self.num_in_cores
         cores, gates = list(self.cores), list(self.gates)
+        dtype = cores[0].dtype
+        if dtype in _HALF:  # float32 math, as in forward
+            cores, gates = [c.float() for c in cores], [g.float() for g in gates]
         V = tt.merge(cores[:p], gates[:p])
         U = tt.merge(cores[p:], gates[p:]).reshape(V.shape[1], -1)
-        return (V @ U)[: self.in_features, : self.out_features]
+        return (V @ U)[: self.in_features, : self.out_features].to(dtype)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The reconstructed dense weight, ``(out_features, in_features)`` (differentiable)."""
+        """The reconstructed dense weight, ``(out_features, in_features)``
+        (differentiable; for bfloat16/float16 layers computed in float32 and
+        rounded once to the layer's dtype)."""
         return self._dense_wt().t()
 
     def to_dense(self) -> nn.Linear:
@@ -212,7 +243,7 @@ class TTLinear(TTLayerMixin, nn.Module):
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}")
         out_f, in_f = weight.shape
-        dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        dtype = weight.dtype if weight.dtype in _DTYPES else torch.float32
         layer = cls(in_f, out_f, bias=bias is not None, rank=rank, in_shape=in_shape,
                     out_shape=out_shape, path=path, device=weight.device, dtype=dtype)
         layer.load_dense_(weight, bias)

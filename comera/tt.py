@@ -135,6 +135,19 @@ def init_std(num_cores: int, inner_ranks: Sequence[int], target_var: float) -> f
     return (target_var / paths) ** (1.0 / (2 * num_cores))
 
 
+@torch.no_grad()
+def normal_cores_(cores: Sequence[torch.Tensor], std: float) -> None:
+    """Fills each core in place with iid N(0, std^2) entries (drawn as
+    ``torch.randn(shape) * std`` in the core's dtype, in float32 for
+    bfloat16/float16 cores, then copied in; on the meta device nothing is
+    drawn)."""
+    for c in cores:
+        if c.device.type == "meta":
+            continue
+        dtype = torch.float32 if c.dtype in (torch.bfloat16, torch.float16) else c.dtype
+        c.copy_(torch.randn(c.shape, dtype=dtype, device=c.device) * std)
+
+
 def merge(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> torch.Tensor:
     """Product of a chain of 3-D cores, each core k scaled by gates[k] on its
     right rank (len(gates) may be len(cores) or len(cores) - 1).  Returns the

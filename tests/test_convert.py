@@ -153,10 +153,10 @@ def test_keeps_device_dtype_mode_and_frozen_flags():
     assert all(p.requires_grad for p in net[0].cores)
 
 
-def test_bfloat16_linear_gets_float32_cores_and_keeps_bf16_activations():
+def test_bfloat16_linear_gets_bfloat16_cores_and_keeps_bf16_activations():
     net = mlp(torch.bfloat16)
     comera.convert(net, rank=4, min_compression=0.1)
-    assert net[0].cores[0].dtype == torch.float32
+    assert net[0].cores[0].dtype == torch.bfloat16
     y = net(torch.randn(3, 64, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16
 

@@ -11,6 +11,9 @@ from typing import Optional, Sequence
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
+from comera.ops.func import any_batched, func_active, register_loop_vmap
+
+_HALF = (torch.bfloat16, torch.float16)
 
 MODES = {None: 0, "sum": 1, "mean": 2}
 REUSE = {"auto": 0, "none": 1, "dedup": 2, "prefix": 3}
@@ -68,6 +71,78 @@ def _backward(ctx, grad):
 # The one autograd path of the op: eager calls, the module and torch.compile
 # all go through it.
 torch.library.register_autograd("comera::tt_embedding", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------- torch.func
+class _TTEmbeddingFunction(torch.autograd.Function):
+    """tt_embedding for torch.func transforms and forward-mode AD (see
+    comera.ops.func).  Inputs are flat: indices, offsets, per_sample_weights,
+    args (num_embeddings, embedding_dim, padding_idx, mode, reuse), num_cores,
+    *cores, *gates."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(indices, offsets, psw, args, num_cores, *cg):
+        return torch.ops.comera.tt_embedding(indices, offsets, psw, list(cg[:num_cores]),
+                                             list(cg[num_cores:]), *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        indices, offsets, psw, args, num_cores, *cg = inputs
+        ctx.save_for_backward(indices, offsets, psw, *cg)
+        ctx.save_for_forward(indices, offsets, psw, *cg)
+        ctx.num_cores, ctx.args = num_cores, args
+
+    @staticmethod
+    def backward(ctx, grad):
+        indices, offsets, psw, *cg = ctx.saved_tensors
+        n = ctx.num_cores
+        cores, gates = cg[:n], cg[n:]
+        grad = grad.contiguous()
+        gcores, ggates = torch.ops.comera.tt_embedding_backward(
+            grad, indices, offsets, psw, cores, gates, *ctx.args)
+        gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) \
+            if ctx.needs_input_grad[2] else None
+        return (None, None, gpsw, None, None, *gcores, *ggates)
+
+    @staticmethod
+    def jvp(ctx, _i, _o, dpsw, _a, _n, *dcg):
+        # multilinear in per_sample_weights and in each core and gate
+        indices, offsets, psw, *cg = ctx.saved_tensors
+        n = ctx.num_cores
+        out = None
+        for k, d in enumerate(dcg):
+            if d is not None:
+                c = cg[:k] + [d] + cg[k + 1:]
+                y = torch.ops.comera.tt_embedding(indices, offsets, psw, c[:n], c[n:], *ctx.args)
+                out = y if out is None else out + y
+        if dpsw is not None:
+            y = torch.ops.comera.tt_embedding(indices, offsets, dpsw.contiguous(), cg[:n], cg[n:],
+                                              *ctx.args)
+            out = y if out is None else out + y
+        if out is None:
+            rows = indices.shape[0] if ctx.args[3] == 0 else offsets.shape[0] - 1
+            out = cg[0].new_zeros(rows, ctx.args[1])
+        return out
+
+
+def _call(indices, offsets, psw, cores, gates, *args):
+    if func_active():
+        return _TTEmbeddingFunction.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
+    return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
+
+
+def _fold_forward(info, in_dims, indices, offsets, psw, cores, gates, *args):
+    """Plain lookups with only the indices batched: one call on all of them."""
+    if args[3] != 0 or any_batched(in_dims[1:]):
+        return None
+    idx = indices.movedim(in_dims[0], 0)
+    out = torch.ops.comera.tt_embedding(idx.reshape(-1), offsets, psw, cores, gates, *args)
+    return out.reshape(info.batch_size, idx.shape[1], -1), 0
+
+
+register_loop_vmap("tt_embedding", _fold_forward)
+register_loop_vmap("tt_embedding_backward")
 
 
 def _check_indices(name: str, t) -> torch.Tensor:
@@ -130,9 +205,13 @@ def check_indices_on_device(indices: torch.Tensor, offsets: Optional[torch.Tenso
                          f"({n})")
 
 
+def _out(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out if out.dtype == dtype else out.to(dtype)
+
+
 def _check_on_device(capturable, input, offsets, num_embeddings):
-    if capturable or input.device.type == "cpu":
-        return  # the CPU op checks on its own; capturable: no host sync
+    if capturable or input.device.type in ("cpu", "meta"):
+        return  # the CPU op checks on its own; capturable: no host sync; meta: no values
     if torch.compiler.is_compiling():
         return  # a data-dependent branch would break the graph
     check_indices_on_device(input, offsets, num_embeddings)
@@ -179,14 +258,19 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
         raise ValueError(f"reuse must be one of {sorted(REUSE)}, got {reuse!r}")
     pad = -1 if padding_idx is None else padding_idx
     cores, gates = list(cores), list(gates)
+    dtype = cores[0].dtype
+    if dtype in _HALF and not input.is_cuda:
+        # the CPU kernels take float32/float64 only: float32 math, cores' dtype out
+        cores = [c.float() for c in cores]
+        gates = [g.float() for g in gates]
     if mode is None:
         if offsets is not None or per_sample_weights is not None:
             raise ValueError("offsets and per_sample_weights are only valid in bag modes "
                              "(mode='sum' or 'mean')")
         _check_on_device(capturable, input, None, num_embeddings)
-        out = torch.ops.comera.tt_embedding(input.reshape(-1), None, None, cores, gates,
-                                            num_embeddings, embedding_dim, pad, 0, REUSE[reuse])
-        return out.reshape(*input.shape, embedding_dim)
+        out = _call(input.reshape(-1), None, None, cores, gates, num_embeddings, embedding_dim,
+                    pad, 0, REUSE[reuse])
+        return _out(out, dtype).reshape(*input.shape, embedding_dim)
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("offsets must be None when input is 2-D (one bag per row), "
@@ -221,9 +305,9 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
                              f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
         per_sample_weights = per_sample_weights.to(cores[0].dtype)
     _check_on_device(capturable, input, offsets, num_embeddings)
-    return torch.ops.comera.tt_embedding(input, offsets, per_sample_weights, cores, gates,
-                                         num_embeddings, embedding_dim, pad, MODES[mode],
-                                         REUSE[reuse])
+    out = _call(input, offsets, per_sample_weights, cores, gates, num_embeddings, embedding_dim,
+                pad, MODES[mode], REUSE[reuse])
+    return _out(out, dtype)
 
 
 def tt_embedding_plan(input: torch.Tensor, row_shape: Sequence[int], dim_shape: Sequence[int],

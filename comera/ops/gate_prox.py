@@ -8,13 +8,17 @@ The rule exists once per device: the C kernel serves CPU tensors and, in a
 CUDA build, the CUDA kernel serves CUDA tensors.  Gates anywhere else (a
 CUDA tensor in a CPU-only build, another device type) are copied to the
 CPU, stepped by the C kernel and copied back: gates hold one entry per
-rank, so the copies cost little.
+rank, so the copies cost little.  bfloat16/float16 gates (a model cast to
+half precision) take the same route through float32 copies, since the
+kernels take float32/float64.
 """
 from typing import List, Sequence
 
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @torch.library.register_fake("comera::gate_prox_")
@@ -32,8 +36,9 @@ def _has_kernel(device: torch.device) -> bool:
 
 @torch.no_grad()
 def _via_cpu(gates: List[torch.Tensor], signs: List[torch.Tensor], *args) -> torch.Tensor:
-    """Runs the C kernel on CPU copies of the group and writes the result back."""
-    g_cpu = [g.cpu().contiguous() for g in gates]
+    """Runs the C kernel on CPU (float32 for half-precision gates) copies of
+    the group and writes the result back."""
+    g_cpu = [(g.float() if g.dtype in _HALF else g).cpu().contiguous() for g in gates]
     s_cpu = [s.cpu().contiguous() for s in signs]
     live = torch.ops.comera.gate_prox_(g_cpu, s_cpu, *args)
     if not bool((live < 0).any()):  # on a NaN the kernel changed nothing
@@ -80,7 +85,7 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
     live = torch.empty(len(gates), dtype=torch.int64)
     for (device, _), idx in groups.items():
         gs, ss = [gates[i] for i in idx], [signs[i] for i in idx]
-        if _has_kernel(device):
+        if _has_kernel(device) and gs[0].dtype not in _HALF:
             with torch.no_grad():
                 out = torch.ops.comera.gate_prox_(gs, ss, *args)
         else:
