@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
-from comera.ops.func import any_batched, func_active, register_loop_vmap
+from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -56,10 +56,59 @@ def _psw_grad(indices, offsets, cores, gates, grad, args):
     return (rows * grad[bag]).sum(-1)
 
 
+def dense_lookup(indices, offsets, psw, cores, gates, num_embeddings, embedding_dim,
+                 padding_idx, mode, reuse=0):
+    """What ``comera::tt_embedding`` computes, in plain torch ops on the
+    reconstructed table (differentiable to any order)."""
+    from comera.tied_linear import ttm_table
+    table = ttm_table(list(cores), list(gates), num_embeddings, embedding_dim)
+    if padding_idx >= 0:
+        keep = torch.ones(num_embeddings, 1, dtype=table.dtype, device=table.device)
+        keep[padding_idx] = 0
+        table = table * keep
+    rows = torch.nn.functional.embedding(indices, table)
+    if mode == 0:
+        return rows
+    # bags as a segment sum (F.embedding_bag has no double backward)
+    n, bags = indices.shape[0], offsets.shape[0] - 1
+    pos = torch.arange(n, device=indices.device)
+    bag = (torch.searchsorted(offsets.to(torch.int64), pos, right=True) - 1).clamp(0, max(bags - 1, 0))
+    if psw is not None:
+        rows = rows * psw.unsqueeze(-1).to(rows.dtype)
+    out = rows.new_zeros(bags, rows.shape[-1]).index_add(0, bag, rows)
+    if mode == 2:
+        live = (indices != padding_idx).to(rows.dtype) if padding_idx >= 0 else rows.new_ones(n)
+        count = rows.new_zeros(bags).index_add(0, bag, live).clamp(min=1)
+        out = out / count.unsqueeze(-1)
+    return out
+
+
+def _graph_backward(grad, indices, offsets, psw, cores, gates, args, psw_grad):
+    """Gradients that are themselves differentiable (double backward,
+    hessians), from the dense table (``num_embeddings * embedding_dim``
+    memory, like nn.Embedding)."""
+    if psw is None:
+        def f(cores_, gates_):
+            return dense_lookup(indices, offsets, None, cores_, gates_, *args)
+
+        gcores, ggates = composite_vjp(f, (list(cores), list(gates)), grad)
+        return list(gcores), list(ggates), None
+
+    def fw(cores_, gates_, psw_):
+        return dense_lookup(indices, offsets, psw_, cores_, gates_, *args)
+
+    gcores, ggates, gpsw = composite_vjp(fw, (list(cores), list(gates), psw), grad)
+    return list(gcores), list(ggates), gpsw if psw_grad else None
+
+
 def _backward(ctx, grad):
     """Core, gate and per-sample-weight gradients from the saved tensors."""
     indices, offsets, psw, *rest = ctx.saved_tensors
     cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
+    if needs_graph():
+        gcores, ggates, gpsw = _graph_backward(grad, indices, offsets, psw, cores, gates,
+                                               ctx.args, ctx.needs_input_grad[2])
+        return (None, None, gpsw, gcores, ggates, None, None, None, None, None)
     grad = grad.contiguous()
     gcores, ggates = torch.ops.comera.tt_embedding_backward(
         grad, indices, offsets, psw, cores, gates, *ctx.args)
@@ -98,6 +147,10 @@ class _TTEmbeddingFunction(torch.autograd.Function):
         indices, offsets, psw, *cg = ctx.saved_tensors
         n = ctx.num_cores
         cores, gates = cg[:n], cg[n:]
+        if needs_graph():
+            gcores, ggates, gpsw = _graph_backward(grad, indices, offsets, psw, cores, gates,
+                                                   ctx.args, ctx.needs_input_grad[2])
+            return (None, None, gpsw, None, None, *gcores, *ggates)
         grad = grad.contiguous()
         gcores, ggates = torch.ops.comera.tt_embedding_backward(
             grad, indices, offsets, psw, cores, gates, *ctx.args)

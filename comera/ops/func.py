@@ -91,3 +91,23 @@ def register_loop_vmap(name: str, fold: Optional[Callable] = None) -> None:
         return loop(op, info, in_dims, args)
 
     torch.library.register_vmap(f"comera::{name}", rule)
+
+
+def needs_graph() -> bool:
+    """Inside a backward: whether its result must itself be differentiable
+    (``create_graph=True``, forward-mode AD, or an outer grad/jvp transform,
+    as in ``hessian`` / ``jacrev(jacrev(f))``)."""
+    if torch.is_grad_enabled() or forward_ad._current_level >= 0:
+        return True
+    if _peek() is None:
+        return False
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    kinds = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+    return any(i.key() in kinds for i in retrieve_all_functorch_interpreters())
+
+
+def composite_vjp(fn: Callable, primals: Sequence, cotangent: torch.Tensor):
+    """The vjp of a plain-torch re-expression ``fn`` of an operator (its
+    dense form): differentiable to any order and under any transform."""
+    _, vjp_fn = torch.func.vjp(fn, *primals)
+    return vjp_fn(cotangent)

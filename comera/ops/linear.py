@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
-from comera.ops.func import any_batched, func_active, register_loop_vmap
+from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -44,9 +44,35 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(t)
 
 
+def dense_wt(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], num_in_cores: int,
+             in_features: int, out_features: int) -> torch.Tensor:
+    """The dense ``(in_features, out_features)`` matrix ``W^T`` of TT cores
+    (plain torch ops, differentiable to any order)."""
+    from comera import tt
+    p = num_in_cores
+    V = tt.merge(cores[:p], gates[:p])
+    U = tt.merge(cores[p:], gates[p:]).reshape(V.shape[1], -1)
+    return (V @ U)[:in_features, :out_features]
+
+
+def _graph_backward(grad_y, x, cores, gates, has_bias, num_in_cores, out_features):
+    """Gradients that are themselves differentiable (double backward,
+    hessians): from the dense form ``x @ W^T``, which costs
+    ``in_features * out_features`` memory, like nn.Linear."""
+    def f(x_, cores_, gates_):
+        return x_ @ dense_wt(cores_, gates_, num_in_cores, x_.shape[-1], out_features)
+
+    gx, gcores, ggates = composite_vjp(f, (x, list(cores), list(gates)), grad_y)
+    return gx, list(gcores), list(ggates), grad_y.sum(0) if has_bias else None
+
+
 def _backward(ctx, grad_y, grad_t):
     x, t, *rest = ctx.saved_tensors
     cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
+    if needs_graph():
+        gx, gcores, ggates, gb = _graph_backward(grad_y, x, cores, gates, ctx.has_bias,
+                                                 ctx.num_in_cores, ctx.out_features)
+        return (gx if ctx.needs_input_grad[0] else None, gcores, ggates, gb, None, None, None)
     gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
         grad_y.contiguous(), x, t, cores, gates, ctx.has_bias, ctx.needs_input_grad[0],
         ctx.num_in_cores, ctx.out_features, ctx.path)
@@ -83,6 +109,11 @@ class _TTLinearFunction(torch.autograd.Function):
         x, t, *cg = ctx.saved_tensors
         n = ctx.num_cores
         num_in_cores, out_features, path = ctx.args
+        if needs_graph():
+            gx, gcores, ggates, gb = _graph_backward(grad_y, x, cg[:n], cg[n:], ctx.has_bias,
+                                                     num_in_cores, out_features)
+            return (gx if ctx.needs_input_grad[0] else None, gb, None, None, None, None,
+                    *gcores, *ggates)
         gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
             grad_y.contiguous(), x, t, cg[:n], cg[n:], ctx.has_bias, ctx.needs_input_grad[0],
             num_in_cores, out_features, path)
