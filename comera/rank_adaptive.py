@@ -1,31 +1,46 @@
 """Two-stage rank-adaptive training (docs/design.md section 4).
 
-Stage 1 (rank discovery): ``loss = task + gamma * sum ||g||_1`` over every
-gate of every TT layer; after each optimizer step a fused proximal step (C
-kernel ``comera::gate_prox_``) turns the gates' subgradient step into a
-proximal one: entries that the L1 pull carried across zero, or that lie
-within ``threshold`` of it, become exactly 0 and stay 0 (dead ranks).
+Two ways to drive it, with the same result (tested):
+
+* ``ra.attach(optimizer)`` once: an optimizer post-step hook runs
+  :meth:`RankAdaptive.step` after every ``optimizer.step()`` (so an
+  unchanged loop ``loss.backward(); optimizer.step()`` trains both stages;
+  a step that a GradScaler skips skips the stage logic too);
+* or, explicitly, ``ra.step(optimizer)`` right after ``optimizer.step()``.
+
+Balance (at construction, ``balance=True``): every TT layer is rewritten,
+without changing its function, into its canonical (Vidal) form: the gate
+on bond k holds the singular values of the layer's unfolding at that bond,
+divided by the largest one, and the cores hold the orthonormal bases and
+the scale.  So a gate entry's size means the same in every layer: the
+weight of its rank relative to the bond's strongest, in [0, 1].
+
+Stage 1 (rank discovery): after each optimizer step every live gate entry
+is soft-thresholded, ``g <- sign(g) max(|g| - lr * gamma, 0)`` with ``lr``
+the current learning rate of the gate's parameter group: an L1 proximal
+step decoupled from the optimizer (like AdamW's weight decay), so ``gamma``
+means the same under SGD, AdamW or Adafactor.  Units: an entry with no
+gradient pull loses ``lr * gamma`` per step, so it dies after about
+``|g| / (lr * gamma)`` steps (``1 / (lr * gamma)`` from the top of the
+scale); under Adam-like optimizers, whose step is at most about ``lr``, an
+entry survives while its normalised gradient pull exceeds ``gamma``
+(so ``gamma`` is best kept below 1).  Then the fused kernel
+``comera::gate_prox_`` kills entries that reached 0, crossed zero, or lie
+within ``threshold`` of it (they stay 0: dead ranks).
 
 Stage 2 (reach the target): a size controller drives the live size
 ``S = sum_k r_{k-1} n_k r_k`` (live ranks) down to ``S* = dense / target``:
-
-* a budget ``S_t`` falls from the size at the start of stage 2 to ``S*``
-  along a cubic schedule over the first half of stage 2 (fast while there is
-  slack, gentle near the target);
-* the penalty weight ``lam`` follows multiplicative dual ascent on
-  ``S / S_t - 1``: it grows while the model is bigger than the budget and
-  decays when ahead of it.  Each bond's L1 term is weighted by what one of
-  its ranks costs, so expensive ranks feel more pressure;
-* whenever ``S > S_t`` the controller kills the cheapest ranks itself: the
-  smallest contribution (|g_j| times the norms of the two core slices rank j
-  joins, which does not depend on how scale is split between gate and cores)
-  per parameter saved, never taking ``S`` below ``S* / 1.03``;
-* once ``S <= S*`` (or no kill can bring it closer) the ranks freeze: no
-  more penalty, no more deaths; dead entries are still re-zeroed each step.
-
-Without ``target_compression``, stage 2 is fine-tuning with frozen ranks.
-With a target, no step of either stage takes the model beyond it (deaths
-that would overshoot are undone, the largest gates first).
+a budget falls along a cubic from the size at the start of stage 2 to
+``S*``; the decoupled shrink continues with strength ``lr * lam * w_k``
+(``lam`` by dual ascent on ``S / S_t - 1``, ``w_k`` the cost of one rank
+of bond k over the mean cost); and whenever ``S`` is above the budget the
+controller removes the ranks whose loss is least affected: with
+``stage2_rule="saliency"`` (default) the smallest running average of the
+first-order estimate ``|g_j * dL/dg_j|`` of the loss change if entry j
+were removed, per parameter saved; with ``"magnitude"`` the smallest
+``|g_j| ||left slice j|| ||right slice j||``.  Once ``S <= S*`` the ranks
+freeze.  Without ``target_compression``, stage 2 fine-tunes with frozen
+ranks.  With a target, no step of either stage takes the model beyond it.
 
 Who decides what: the proximal kernel proposes the threshold / sign-flip
 deaths; :class:`comera.rank_controller.RankController` (no torch, plain
@@ -42,7 +57,7 @@ from torch import nn
 
 from comera.layer_base import dense_params, mode_size, tt_layers
 from comera.ops.gate_prox import gate_prox_
-from comera.prune import prune
+from comera.prune import _keep_indices, prune
 from comera.rank_controller import Decision, Proposal, RankController, Scores, tt_size
 
 
@@ -64,43 +79,134 @@ def _check_int(name: str, value, low: int) -> int:
     return value
 
 
+# Running average of the saliency |g * dL/dg|: weight of the past.
+SALIENCY_DECAY = 0.9
+STAGE2_RULES = ("saliency", "magnitude")
+
+
+@torch.no_grad()
+def balance_(layer: nn.Module) -> bool:
+    """Rewrites a TT layer in canonical (Vidal) form, keeping its function.
+
+    Afterwards the gate on bond k holds the singular values of the layer's
+    unfolding at bond k divided by the largest (so in [0, 1], largest 1), and
+    the cores the orthonormal bases and the scale.  Dead (exactly zero) gate
+    entries stay exactly zero.  Returns False, leaving the layer untouched,
+    when a rank exceeds what its neighbours can carry (``r_k > r_{k-1} n_k``
+    or ``r_{k-1} > n_k r_k``: a redundant rank) or a gate holds a non-finite
+    value.
+
+    Example:
+        >>> import torch, comera
+        >>> from comera.rank_adaptive import balance_
+        >>> layer = comera.TTLinear(16, 16, rank=4, in_shape=[4, 4], out_shape=[4, 4])
+        >>> x = torch.randn(3, 16)
+        >>> y = layer(x)
+        >>> balance_(layer), torch.allclose(layer(x), y, atol=1e-5)
+        (True, True)
+        >>> [round(float(g.detach().max()), 6) for g in layer.gates]
+        [1.0, 1.0, 1.0]
+    """
+    cores, gates = list(layer.cores), list(layer.gates)
+    D = len(cores)
+    if D < 2:
+        return False
+    ranks = [1] + [int(c.shape[-1]) for c in cores[:-1]] + [1]
+    modes = [math.prod(c.shape[1:-1]) for c in cores]
+    if any(ranks[k + 1] > ranks[k] * modes[k] or ranks[k] > modes[k] * ranks[k + 1]
+           for k in range(D)):
+        return False
+    if not all(bool(torch.isfinite(g).all()) for g in gates):
+        return False
+    # M_k = core_k diag(g_k): the chain without gates, in float64
+    dead = [g.detach() == 0 for g in gates]
+    M = [c.detach().double().cpu().reshape(ranks[k], modes[k], ranks[k + 1]) for k, c in enumerate(cores)]
+    for k, g in enumerate(gates):
+        M[k] = M[k] * g.detach().double().cpu()
+    # right-orthonormalise cores D-1 .. 1 (RQ through a QR of the transpose)
+    for k in range(D - 1, 0, -1):
+        q, r = torch.linalg.qr(M[k].reshape(ranks[k], -1).T)      # (n r, r_{k}), (r_k, r_k)
+        M[k] = q.T.reshape(ranks[k], modes[k], ranks[k + 1])
+        M[k - 1] = torch.einsum("anb,cb->anc", M[k - 1], r)
+    # left-to-right SVD sweep: core k <- U_k, gate k <- S_k, carry S_k V_k^T
+    sig = []
+    for k in range(D - 1):
+        u, s, vt = torch.linalg.svd(M[k].reshape(-1, ranks[k + 1]), full_matrices=False)
+        M[k] = u.reshape(ranks[k], modes[k], ranks[k + 1])
+        M[k + 1] = torch.einsum("a,ab,bnc->anc", s, vt, M[k + 1])
+        sig.append(s)
+    # stored form: C_0 G_0 C_1 G_1 ... with G_k = S_k / max, C_{k+1} = diag(max / S_k) U_{k+1}
+    new_gates, new_cores = [], [M[0]]
+    for k, s in enumerate(sig):
+        top = float(s[0]) if s.numel() and float(s[0]) > 0 else 1.0
+        live = s > top * 1e-12
+        g = torch.where(live, s / top, torch.zeros_like(s))
+        n_dead = int(dead[k].sum())
+        if n_dead:          # the function had that many zero singular values: keep them dead
+            g[len(g) - n_dead:] = 0
+            live = g != 0
+        inv = torch.where(live, top / torch.where(live, s, torch.ones_like(s)), torch.zeros_like(s))
+        new_gates.append(g)
+        new_cores.append(M[k + 1] * inv[:, None, None])
+    for c, new in zip(cores, new_cores):
+        c.data.copy_(new.reshape(c.shape).to(c.dtype))
+    for g, new in zip(gates, new_gates):
+        g.data.copy_(new.to(g.dtype))
+    return True
+
+
 class RankAdaptive:
     """Drives the TT ranks of ``model`` during training (see the module doc).
 
     Args:
         model: any module; every TTLinear / TTEmbedding inside is controlled.
-        gamma: stage-1 L1 weight on the gates (>= 0).
+        gamma: stage-1 decoupled L1 strength on the gates (>= 0): each step a
+            live gate entry loses ``lr * gamma`` (``lr``: its parameter
+            group's current learning rate), so one with no gradient pull
+            dies after about ``|g| / (lr * gamma)`` steps; balanced gates
+            lie in [0, 1].  Under Adam-like optimizers keep it below 1.
         threshold: dead zone (>= 0): a live gate entry with ``|g| <= threshold``
             after a step dies.
-        stage1_steps, stage2_steps: lengths of the two stages, in ``step()``
-            calls.  The controller stays in stage 2 (ranks frozen) afterwards.
+        stage1_steps, stage2_steps: lengths of the two stages, in optimizer
+            steps.  The controller stays in stage 2 (ranks frozen) afterwards.
         target_compression: dense / live TT parameters to reach in stage 2
             (> 1), or None.
         prune_every: if set, :func:`comera.prune` runs every ``prune_every``
             steps (with the optimizer given to :meth:`step`), so dead ranks
             stop costing compute during training.
         min_rank: no bond is taken below this many live ranks (>= 1).
+        stage2_rule: how stage 2 picks the ranks to remove: ``"saliency"``
+            (default; the running average of ``|g_j dL/dg_j|``, the
+            first-order loss change of removing rank j) or ``"magnitude"``
+            (``|g_j|`` times the norms of the two core slices it joins).
+        balance: rewrite every TT layer in canonical form now (same
+            function, gates = relative singular values; see
+            :func:`balance_`), so a gate's size means the same in every
+            layer.  Do it before the optimizer has state.
 
-    Usage: add :meth:`penalty` to the loss, call :meth:`step` right after
-    ``optimizer.step()``.
+    Usage: ``ra.attach(optimizer)`` once, then train as usual; or call
+    :meth:`step` right after every ``optimizer.step()``.  :meth:`penalty`
+    is kept for old loops and is 0 (the L1 pull is the decoupled step).
 
     Example:
         >>> import torch, comera
         >>> model = torch.nn.Sequential(comera.TTLinear(64, 64, rank=8))
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        >>> ra = comera.RankAdaptive(model, gamma=1e-3, threshold=1e-2, stage1_steps=20,
-        ...                          stage2_steps=20, target_compression=12.0, prune_every=10)
+        >>> ra = comera.RankAdaptive(model, gamma=0.5, threshold=1e-2, stage1_steps=20,
+        ...                          stage2_steps=20, target_compression=12.0,
+        ...                          prune_every=10).attach(opt)
         >>> for _ in range(40):
         ...     x = torch.randn(32, 64)
-        ...     loss = (model(x) - x).pow(2).mean() + ra.penalty()
-        ...     opt.zero_grad(); loss.backward(); opt.step(); ra.step(opt)
+        ...     loss = (model(x) - x).pow(2).mean()
+        ...     opt.zero_grad(); loss.backward(); opt.step()   # the hook runs ra.step(opt)
         >>> ra.stage, ra.frozen, abs(ra.compression() / 12.0 - 1) < 0.05
         (2, True, True)
     """
 
     def __init__(self, model: nn.Module, *, gamma: float, threshold: float, stage1_steps: int,
                  stage2_steps: int, target_compression: Optional[float] = None,
-                 prune_every: Optional[int] = None, min_rank: int = 1):
+                 prune_every: Optional[int] = None, min_rank: int = 1,
+                 stage2_rule: str = "saliency", balance: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.gamma = _check_number("gamma", gamma, 0.0)
@@ -116,12 +222,19 @@ class RankAdaptive:
         self.target_compression = target_compression
         self.prune_every = None if prune_every is None else _check_int("prune_every", prune_every, 1)
         self.min_rank = _check_int("min_rank", min_rank, 1)
+        if stage2_rule not in STAGE2_RULES:
+            raise ValueError(f"stage2_rule must be one of {STAGE2_RULES}, got {stage2_rule!r}")
+        self.stage2_rule = stage2_rule
+        self.balance = bool(balance)
         self.model = model
         self._layers: List[Tuple[str, nn.Module]] = list(tt_layers(model))
         if not self._layers:
             warnings.warn("comera.RankAdaptive: the model has no TT layers (TTLinear / "
                           "TTEmbedding); the controller does nothing (penalty() is 0, step() "
                           "only counts steps)", stacklevel=2)
+        if self.balance:
+            for _, layer in self._layers:
+                balance_(layer)
         self._dense = sum(dense_params(layer) for _, layer in self._layers)
         self._step = 0
         target_size = None if target_compression is None else self._dense / target_compression
@@ -129,6 +242,10 @@ class RankAdaptive:
                                    stage2_steps=self.stage2_steps, target_size=target_size,
                                    min_rank=self.min_rank)
         self._signs: List[torch.Tensor] = []
+        self._saliency: List[torch.Tensor] = []
+        self._hooks: list = []
+        self._attached: Optional[torch.optim.Optimizer] = None
+        self._in_hook = False
         self._sync_signs(force=True)
 
     # ------------------------------------------------------------- state
@@ -144,7 +261,7 @@ class RankAdaptive:
 
     @property
     def steps(self) -> int:
-        """``step()`` calls so far."""
+        """Steps taken so far (optimizer steps seen by the hook, or ``step()`` calls)."""
         return self._step
 
     def _gates(self) -> List[nn.Parameter]:
@@ -158,6 +275,10 @@ class RankAdaptive:
                 s.shape == g.shape and s.device == g.device for s, g in zip(self._signs, gates)):
             return
         self._signs = [torch.sign(g.detach()).to(torch.int8).contiguous() for g in gates]
+        if len(self._saliency) != len(gates) or any(
+                a.shape != g.shape or a.device != g.device for a, g in zip(self._saliency, gates)):
+            self._saliency = [torch.zeros(g.shape, dtype=torch.float64, device=g.device)
+                              for g in gates]
 
     # The numbers the controller works on: mode sizes per core, live ranks per bond.
     def _shapes(self) -> List[List[int]]:
@@ -181,32 +302,94 @@ class RankAdaptive:
 
     # ----------------------------------------------------------- penalty
     def penalty(self) -> torch.Tensor:
-        """The current stage's penalty, to add to the loss (differentiable in the gates).
-
-        Stage 1: ``gamma * sum ||g_k||_1``.  Stage 2 with a target, until it
-        is reached: ``lam * sum_k w_k ||g_k||_1`` with ``lam`` set by the
-        controller and ``w_k`` the cost of one rank of bond k over the mean
-        cost.  Frozen ranks (or no TT layer): a zero tensor.
-        """
+        """A zero tensor, kept so that loops written for the penalty form
+        (``loss + ra.penalty()``) still run: the L1 pull of both stages is
+        now the decoupled proximal step inside :meth:`step`."""
         gates = self._gates()
-        if not gates:
-            return torch.zeros(())
-        zero = gates[0].new_zeros(())
-        if self.frozen:
-            return zero
+        return gates[0].new_zeros(()) if gates else torch.zeros(())
+
+    def shrink_strength(self) -> List[float]:
+        """Per gate, this step's L1 strength before the learning rate: ``gamma``
+        in stage 1, ``lam * w_k`` in stage 2 until the target, 0 once frozen."""
+        gates = self._gates()
+        if self.frozen or not gates:
+            return [0.0] * len(gates)
         if self.stage == 1:
-            if self.gamma == 0:
-                return zero
-            return self.gamma * sum(g.abs().sum() for g in gates)
+            return [self.gamma] * len(gates)
         self._sync_signs()
         lam, weights = self._ctl.penalty_weights(self._shapes(), self._live())
-        return lam * sum(w * g.abs().sum() for w, g in zip(weights, gates))
+        return [lam * w for w in weights]
+
+    # -------------------------------------------------------------- hook
+    def attach(self, optimizer: torch.optim.Optimizer) -> "RankAdaptive":
+        """Runs :meth:`step` after every ``optimizer.step()`` (an optimizer
+        post-step hook; a pre-step hook marks the step as the hook's), so an
+        unchanged training loop trains both stages.  A step skipped by AMP's
+        GradScaler never calls ``optimizer.step()``, so it skips the stage
+        logic too.  Returns ``self``; :meth:`detach` undoes it.
+
+        Example:
+            >>> import torch, comera
+            >>> layer = comera.TTLinear(16, 16, rank=4)
+            >>> opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+            >>> ra = comera.RankAdaptive(layer, gamma=0.1, threshold=1e-3, stage1_steps=5,
+            ...                          stage2_steps=0).attach(opt)
+            >>> layer(torch.randn(2, 16)).sum().backward(); opt.step()
+            >>> ra.steps
+            1
+            >>> ra.detach(); opt.step(); ra.steps
+            1
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("RankAdaptive.attach: expected a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if self._attached is not None:
+            raise RuntimeError("RankAdaptive.attach: already attached to an optimizer "
+                               "(call detach() first)")
+
+        def pre(opt, args, kwargs):
+            self._in_hook = True
+
+        def post(opt, args, kwargs):
+            try:
+                self._step_impl(opt)
+            finally:
+                self._in_hook = False
+
+        self._hooks = [optimizer.register_step_pre_hook(pre),
+                       optimizer.register_step_post_hook(post)]
+        self._attached = optimizer
+        return self
+
+    def detach(self) -> None:
+        """Removes the hooks of :meth:`attach` (nothing if not attached)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._attached, self._in_hook = [], None, False
 
     # -------------------------------------------------------------- step
     def step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Call right after ``optimizer.step()``: proximal step on the gates,
-        stage switch, the stage-2 size controller, and pruning every
-        ``prune_every`` steps (which needs ``optimizer``)."""
+        """Call right after ``optimizer.step()`` (unless :meth:`attach` is
+        used): saliency update, decoupled L1 shrink of the gates (strength
+        ``lr * gamma``, needs ``optimizer`` for ``lr``; without it only the
+        dead zone acts), the proximal kill step, stage switch, the stage-2
+        size controller, and pruning every ``prune_every`` steps (which
+        needs ``optimizer``)."""
+        if self._attached is not None:
+            raise RuntimeError("RankAdaptive.step: attached to an optimizer, whose step() already "
+                               "runs it (call detach() to drive it by hand)")
+        self._step_impl(optimizer)
+
+    def _group_lrs(self, optimizer, gates) -> List[Optional[float]]:
+        lr_of = {}
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    lr_of[id(p)] = float(group["lr"])
+        return [lr_of.get(id(g)) for g in gates]
+
+    @torch.no_grad()
+    def _step_impl(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
         if self.prune_every is not None and optimizer is None:
             raise TypeError("RankAdaptive.step: prune_every is set, so pass the optimizer "
                             "(its state is pruned with the model)")
@@ -215,11 +398,21 @@ class RankAdaptive:
             return
         self._sync_signs()
         gates = self._gates()
+        bad = [i for i, g in enumerate(gates) if bool(torch.isnan(g).any())]
+        if bad:
+            self._raise_on_nan([-1 if i in bad else 0 for i in range(len(gates))])
+        # saliency: running average of |g dL/dg| (the gradient of this step)
+        for g, sal in zip(gates, self._saliency):
+            if g.grad is not None and g.grad.shape == g.shape:
+                sal.mul_(SALIENCY_DECAY).add_((g.detach() * g.grad).abs().double(),
+                                              alpha=1.0 - SALIENCY_DECAY)
         kill = not self.frozen
         # with a target, the controller reviews the kernel's deaths and may add its own
         review = kill and self._ctl.target_size is not None
         before = [g.detach().clone() for g in gates] if review else None
         signs_before = [s.clone() for s in self._signs] if review else None
+        if kill:
+            self._shrink(gates, optimizer)
         live = gate_prox_([g.data for g in gates], self._signs, self.threshold,
                           self.min_rank, kill)
         self._raise_on_nan(live.tolist())
@@ -233,8 +426,27 @@ class RankAdaptive:
             self._commit(decision, before)
         self._step += 1
         if self.prune_every is not None and self._step % self.prune_every == 0:
+            keeps = [_keep_indices(g) for g in gates]
             prune(self.model, optimizer)
+            self._saliency = [s.index_select(0, k.to(s.device)) if s.shape != g.shape else s
+                              for s, k, g in zip(self._saliency, keeps, gates)]
             self._sync_signs()
+
+    def _shrink(self, gates: List[torch.Tensor], optimizer) -> None:
+        """Decoupled L1 step ``g <- sign(g) max(|g| - lr * strength, 0)``; a
+        gate that it would leave with fewer than ``min_rank`` non-zero entries
+        keeps its largest ones unshrunk (the kernel then keeps them alive)."""
+        for g, sign, lr, strength in zip(gates, self._signs, self._group_lrs(optimizer, gates),
+                                         self.shrink_strength()):
+            if lr is None or strength <= 0 or g.numel() == 0:
+                continue
+            # dead entries may have been moved by the optimizer (momentum): the kernel re-zeroes them
+            old = torch.where(sign != 0, g.data, torch.zeros_like(g.data))
+            g.data.copy_(old.sign() * (old.abs() - lr * strength).clamp_min(0))
+            need = min(self.min_rank, int(torch.count_nonzero(old)))
+            if int(torch.count_nonzero(g.data)) < need:
+                top = torch.topk(old.abs(), need).indices
+                g.data[top] = torch.where(g.data[top] != 0, g.data[top], old[top])
 
     def _raise_on_nan(self, live: List[int]) -> None:
         bad = [i for i, v in enumerate(live) if v < 0]
@@ -247,18 +459,22 @@ class RankAdaptive:
 
     @torch.no_grad()
     def _scores(self, before: List[torch.Tensor], died: List[torch.Tensor]) -> Scores:
-        """Per bond, entry -> |g_j| * ||left slice j|| * ||right slice j|| for
-        the live entries and this step's deaths (at their value before the
-        step): the size of rank j's contribution, whatever the split of scale
-        between gate and cores."""
+        """Per bond, entry -> how much removing it would cost, for the live
+        entries and this step's deaths.  ``"saliency"``: the running average
+        of ``|g_j dL/dg_j|`` (first-order loss change).  ``"magnitude"``:
+        ``|g_j| * ||left slice j|| * ||right slice j||`` (at the value before
+        the step for deaths), the size of rank j's contribution."""
         out, gi = [], 0
         for _, layer in self._layers:
             cores = list(layer.cores)
             for k, g in enumerate(layer.gates):
-                left = cores[k].detach().reshape(-1, cores[k].shape[-1]).norm(dim=0)
-                right = cores[k + 1].detach().reshape(cores[k + 1].shape[0], -1).norm(dim=1)
-                value = torch.where(died[gi], before[gi], g.detach())
-                contrib = (value.abs() * left * right).double().cpu().tolist()
+                if self.stage2_rule == "saliency":
+                    contrib = self._saliency[gi].cpu().tolist()
+                else:
+                    left = cores[k].detach().reshape(-1, cores[k].shape[-1]).norm(dim=0)
+                    right = cores[k + 1].detach().reshape(cores[k + 1].shape[0], -1).norm(dim=1)
+                    value = torch.where(died[gi], before[gi], g.detach())
+                    contrib = (value.abs() * left * right).double().cpu().tolist()
                 keep = ((self._signs[gi] != 0) | died[gi]).cpu()
                 out.append({j: contrib[j] for j in torch.nonzero(keep).flatten().tolist()})
                 gi += 1
@@ -288,10 +504,12 @@ class RankAdaptive:
             "lam0": self._ctl.lam0,
             "size_start": self._ctl.size_start,
             "signs": [s.clone() for s in self._signs],
+            "saliency": [a.clone() for a in self._saliency],
             "config": {"gamma": self.gamma, "threshold": self.threshold,
                        "stage1_steps": self.stage1_steps, "stage2_steps": self.stage2_steps,
                        "target_compression": self.target_compression,
-                       "prune_every": self.prune_every, "min_rank": self.min_rank},
+                       "prune_every": self.prune_every, "min_rank": self.min_rank,
+                       "stage2_rule": self.stage2_rule},
         }
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
@@ -320,3 +538,11 @@ class RankAdaptive:
                            for s, g in zip(signs, gates)]
         else:
             self._sync_signs(force=True)
+        # older checkpoints have no saliency: start it again from zero
+        saliency = list(state.get("saliency", []))
+        if len(saliency) == len(gates) and all(a.shape == g.shape for a, g in zip(saliency, gates)):
+            self._saliency = [a.to(device=g.device, dtype=torch.float64).clone()
+                              for a, g in zip(saliency, gates)]
+        else:
+            self._saliency = [torch.zeros(g.shape, dtype=torch.float64, device=g.device)
+                              for g in gates]

@@ -81,7 +81,7 @@ def main():
                                    learning_rate=2e-3, warmup_steps=args.steps // 20, logging_steps=20,
                                    save_strategy="no", report_to=[], use_cpu=True,
                                    dataloader_num_workers=0)
-    callback = RankAdaptiveCallback(gamma=2e-3, threshold=1e-3, stage1_steps=args.steps // 2,  # comera (2/2)
+    callback = RankAdaptiveCallback(gamma=0.5, threshold=1e-2, stage1_steps=args.steps // 2,  # comera (2/2)
                                     stage2_steps=args.steps - args.steps // 2,
                                     target_compression=args.target)
     trainer = Trainer(model=model, args=train_args, train_dataset=SourceBytes(args.seq_len, 4096),

@@ -41,7 +41,7 @@ class _Batches(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-RA_KWARGS = dict(gamma=5e-3, threshold=5e-3, stage1_steps=4, stage2_steps=4, prune_every=3)
+RA_KWARGS = dict(gamma=0.5, threshold=5e-3, stage1_steps=4, stage2_steps=4, prune_every=3)
 
 
 def test_callback_equals_the_manual_two_stage_loop(tmp_path, capsys):
@@ -50,14 +50,15 @@ def test_callback_equals_the_manual_two_stage_loop(tmp_path, capsys):
     manual = copy.deepcopy(model)
     data = _Batches()
 
-    # the loop the callback stands for: loss + penalty, step, RankAdaptive.step
-    start = comera.RankAdaptive(manual, **RA_KWARGS).compression()
+    # the loop the callback stands for: loss, optimizer step, RankAdaptive.step (the callback
+    # attaches the controller to the Trainer's optimizer instead)
+    start = comera.RankAdaptive(manual, balance=False, **RA_KWARGS).compression()
     target = 1.5 * start
     opt = torch.optim.AdamW(manual.parameters(), lr=lr, weight_decay=0.0)
     ra = comera.RankAdaptive(manual, target_compression=target, **RA_KWARGS)
     manual.train()
     for _ in range(steps):
-        loss = manual(input_ids=data.ids, labels=data.labels).loss + ra.penalty()
+        loss = manual(input_ids=data.ids, labels=data.labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -75,7 +76,8 @@ def test_callback_equals_the_manual_two_stage_loop(tmp_path, capsys):
         optimizers=(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), None))
     trainer.train()
 
-    assert cb.rank_adaptive.stage == ra.stage == 2
+    assert cb.rank_adaptive.stage == ra.stage == 2 and cb.rank_adaptive.steps == steps
+    assert cb.rank_adaptive._attached is None                # detached when training ended
     assert comera.integrations.ddp.all_ranks(model) == comera.integrations.ddp.all_ranks(manual)
     assert cb.rank_adaptive.compression() == pytest.approx(ra.compression())
     assert ra.compression() > start                         # ranks were really cut

@@ -4,29 +4,28 @@ Two added lines turn a Trainer run into CoMERA's two-stage schedule::
 
     model = comera.convert(model, rank=32)                                   # 1
     trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      callbacks=[RankAdaptiveCallback(gamma=1e-3, threshold=1e-3,   # 2
+                      callbacks=[RankAdaptiveCallback(gamma=0.5, threshold=1e-2,    # 2
                                                       stage1_steps=500, stage2_steps=500,
                                                       target_compression=20.0)])
     trainer.train()
 
-How it plugs in (the Trainer computes the loss itself, so the penalty is
-applied as a gradient): right before every optimizer step (after gradient
-clipping) the callback adds the gradient of ``RankAdaptive.penalty()`` to
-the gates' gradients (computed with ``torch.autograd.grad``, so no extra
-backward runs through the model or through DDP's hooks); right after the
-step it calls ``RankAdaptive.step(optimizer)`` (proximal step on the gates,
-the stage-2 size controller, and pruning when ``prune_every`` is set).  The
-reported training loss is the task loss; the callback's ``history`` keeps
+How it plugs in: when training begins the callback builds (or takes) the
+:class:`comera.RankAdaptive` and attaches it to the Trainer's torch optimizer
+(:meth:`comera.RankAdaptive.attach`, unwrapping accelerate's
+AcceleratedOptimizer): after every real optimizer step the optimizer's
+post-step hook runs the decoupled L1 step on the gates, the stage-2 size
+controller and pruning (when ``prune_every`` is set).  A step that fp16's
+GradScaler skips never reaches the optimizer, so it skips the stage logic too.
+The reported training loss is the task loss; the callback's ``history`` keeps
 (step, stage, compression) at every logging step, and the same numbers are
 added to the log dict the Trainer hands to the callbacks after this one (the
 printed progress lines among them) as ``comera_stage`` / ``comera_compression``.
+When training ends the hooks are removed.
 
 Limits: under multi-process training (DDP) leave ``prune_every`` unset and
 prune after training (or in your own loop with
 :func:`comera.integrations.ddp.prune`), because the Trainer's DDP wrapper
-cannot be re-wrapped from a callback.  With fp16 and a GradScaler keep
-``max_grad_norm > 0`` (the default), so gradients are unscaled before the
-penalty gradient is added; bf16 has no such constraint.
+cannot be re-wrapped from a callback.
 
 ``transformers`` is imported when this module is, never by ``import comera``.
 """
@@ -35,7 +34,6 @@ from typing import List, Tuple
 
 import torch
 
-from comera.layer_base import tt_layers
 from comera.rank_adaptive import RankAdaptive
 
 try:
@@ -64,7 +62,7 @@ class RankAdaptiveCallback(TrainerCallback):
     Example:
         >>> import comera
         >>> from comera.integrations.hf import RankAdaptiveCallback
-        >>> cb = RankAdaptiveCallback(gamma=1e-3, threshold=1e-3, stage1_steps=100,
+        >>> cb = RankAdaptiveCallback(gamma=0.5, threshold=1e-2, stage1_steps=100,
         ...                           stage2_steps=100, target_compression=10.0)
         >>> # Trainer(model=comera.convert(model, rank=16), ..., callbacks=[cb]).train()
     """
@@ -88,33 +86,25 @@ class RankAdaptiveCallback(TrainerCallback):
         self.history: List[Tuple[int, int, float]] = []
 
     # ------------------------------------------------------------- events
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.rank_adaptive is None:
             if model is None:
                 raise RuntimeError("RankAdaptiveCallback: the Trainer gave no model to build "
                                    "the RankAdaptive controller on")
             self.rank_adaptive = RankAdaptive(model, **self._kwargs)
+        self._attach(optimizer)
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        ra = self.rank_adaptive
-        gates = [g for _, layer in tt_layers(ra.model) for g in layer.gates if g.requires_grad]
-        if not gates:
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._attach(optimizer)   # when the optimizer was not known at on_train_begin
+
+    def _attach(self, optimizer) -> None:
+        if optimizer is None or self.rank_adaptive._attached is not None:
             return
-        penalty = ra.penalty()
-        if not penalty.requires_grad:
-            return                                   # frozen ranks: nothing to add
-        grads = torch.autograd.grad(penalty, gates, allow_unused=True)
-        with torch.no_grad():
-            for g, d in zip(gates, grads):
-                if d is None:
-                    continue
-                if g.grad is None:
-                    g.grad = d.detach().clone()
-                else:
-                    g.grad.add_(d)
+        self.rank_adaptive.attach(_unwrap_optimizer(optimizer))
 
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.rank_adaptive.step(_unwrap_optimizer(optimizer) if optimizer is not None else None)
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.rank_adaptive is not None:
+            self.rank_adaptive.detach()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.rank_adaptive is None:

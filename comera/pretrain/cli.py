@@ -114,13 +114,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-rank", type=_positive_int,
                    help="initial TT rank of the word embedding and the output decoder")
     g.add_argument("--init", choices=["random", "svd"], help="TT initialisation for comera.convert")
-    g.add_argument("--gamma", type=_nonneg_float, help="L1 weight on the TT gates (stage 1)")
+    g.add_argument("--gamma", type=_nonneg_float,
+                   help="stage-1 L1 strength on the TT gates: a gate entry loses lr * gamma per step "
+                        "(balanced gates lie in [0, 1]; keep it below 1 under AdamW)")
     g.add_argument("--threshold", type=_nonneg_float, help="gate entries below this die")
     g.add_argument("--stage1", type=_fraction, help="fraction of the steps in stage 1")
     g.add_argument("--stage2", type=_fraction, help="fraction of the steps in stage 2")
     g.add_argument("--target-compression", type=_positive_float,
                    help="stage 2 target: compression of the converted layers (dense / TT params)")
     g.add_argument("--prune-every", type=_positive_int, help="steps between physical rank pruning")
+    g.add_argument("--stage2-rule", choices=["saliency", "magnitude"],
+                   help="how stage 2 picks the ranks to remove: running |g dL/dg| (saliency) "
+                        "or |g| times slice norms (magnitude)")
 
 
 def run(args) -> int:

@@ -41,27 +41,29 @@ class Preset:
     rank: int = 16                # initial TT rank of the linear layers
     vocab_rank: int = 32          # ... of the word embedding and the output decoder
     init: str = "random"
-    gamma: float = 1e-3
+    gamma: float = 0.5            # stage-1 L1 strength: a gate loses lr * gamma per step
     threshold: float = 1e-2
     stage1: float = 0.3           # fraction of the steps in stage 1
     stage2: float = 0.4           # fraction of the steps in stage 2 (then ranks are frozen)
     target_compression: Optional[float] = None
     prune_every: Optional[int] = 50
+    stage2_rule: str = "saliency"  # or "magnitude": how stage 2 picks the ranks to remove
 
 
 PRESETS = {
-    # A whole demo (tokenizer, dense and CoMERA) in a few minutes on 2 CPU cores.
-    # No dropout: a few hundred steps see each sequence at most once.  Randomly
-    # initialised TT cores learn slower than dense weights at the same lr: at
-    # 400 steps CoMERA's validation loss was 6.5% above dense at lr 1e-3 and
-    # 3.8% above at 3e-3 (dense at 1e-3; benchmarks/results/pretrain_cpu.md).
-    "tiny": Preset(layers=2, hidden=128, heads=2, ffn=512, seq_len=128, dropout=0.0, batch_size=32,
-                   steps=400, lr=1e-3, lr_comera=3e-3, eval_every=50, checkpoint_every=100,
-                   max_train_tokens=2_000_000, tokenizer_max_mb=4.0, rank=16, vocab_rank=32,
-                   target_compression=None, prune_every=25),
+    # A whole demo (tokenizer, dense and CoMERA) in about 4 minutes on 2 CPU
+    # cores.  No dropout: a few hundred steps see each sequence at most once.
+    # Randomly initialised TT cores learn slower than dense weights at the
+    # same lr, so CoMERA gets a larger one.  The ranks start at 16 / 32
+    # (about 10x on the converted layers) and stage 2 takes them to 25x.
+    "tiny": Preset(layers=2, hidden=128, heads=2, ffn=512, seq_len=64, dropout=0.0, batch_size=16,
+                   steps=300, lr=1e-3, lr_comera=3e-3, eval_every=50, checkpoint_every=100,
+                   max_train_tokens=1_000_000, tokenizer_max_mb=4.0, rank=16, vocab_rank=32,
+                   gamma=0.5, stage1=0.3, stage2=0.4, target_compression=25.0, prune_every=25),
     "small": Preset(layers=4, hidden=256, heads=4, ffn=1024, seq_len=256, batch_size=32, steps=3000,
-                    lr=7e-4, eval_every=250, checkpoint_every=500, tokenizer_max_mb=12.0, rank=24,
-                    vocab_rank=48, prune_every=50),
+                    lr=7e-4, lr_comera=2e-3, eval_every=250, checkpoint_every=500,
+                    tokenizer_max_mb=12.0, rank=24, vocab_rank=48, gamma=0.5,
+                    target_compression=25.0, prune_every=50),
     # The paper's six-encoder CodeBERT-style model (d 768, FFN 3072, 12 heads).
     "paper": Preset(layers=6, hidden=768, heads=12, ffn=3072, seq_len=256, batch_size=16,
                     steps=20000, lr=3e-4, eval_every=500, valid_blocks=32, checkpoint_every=500,

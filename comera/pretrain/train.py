@@ -93,7 +93,8 @@ def make_controller(model: nn.Module, p: Preset):
         raise RuntimeError("--method comera needs comera.RankAdaptive, which this build of comera lacks")
     return comera.RankAdaptive(model, gamma=p.gamma, threshold=p.threshold,
                                stage1_steps=int(p.stage1 * p.steps), stage2_steps=int(p.stage2 * p.steps),
-                               target_compression=p.target_compression, prune_every=p.prune_every)
+                               target_compression=p.target_compression, prune_every=p.prune_every,
+                               stage2_rule=p.stage2_rule)
 
 
 def stage_name(controller) -> str:
@@ -151,6 +152,8 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     model.to(device).train()
     optimizer = make_optimizer(model, p, method_lr(method, p))
     schedule = make_schedule(optimizer, p)
+    # The controller balances the TT layers when built (before any optimizer
+    # state exists); attached, it runs after every optimizer.step().
     controller = make_controller(model, p) if method == "comera" else None
 
     step, history = 0, _new_history()
@@ -168,6 +171,8 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         log(f"{method}: resumed from {path} at step {step}")
     else:
         torch.manual_seed(seed)
+    if controller is not None:
+        controller.attach(optimizer)
 
     t_start = time.perf_counter()
     wall_before = totals["wall_time_s"]
@@ -208,12 +213,9 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         inputs, labels = inputs.to(device), labels.to(device)
         loss_sum, count = mlm_loss_sum(model, inputs, labels)
         loss = loss_sum / count
-        total_loss = loss + controller.penalty() if controller is not None else loss
-        total_loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)
-        optimizer.step()
-        if controller is not None:
-            controller.step(optimizer)
+        optimizer.step()        # the attached controller runs its stage step here
         lr = schedule.get_last_lr()[0]
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -275,6 +277,8 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         "peak_memory_growth_bytes": totals["peak_memory_growth_bytes"],
         "final_ranks": persistence.tt_live_ranks(model), "summary": summary, "history": history,
     }
+    if controller is not None:
+        controller.detach()
     del model, optimizer, schedule, controller
     release_memory()
     return result
