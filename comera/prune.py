@@ -31,6 +31,12 @@ def _cut(t: torch.Tensor, left: Optional[torch.Tensor], right: Optional[torch.Te
     return t.contiguous()
 
 
+def _factored(shape: torch.Size, param_shape: torch.Size) -> bool:
+    """Same number of dims as the parameter, each either the parameter's or 1."""
+    return len(shape) == len(param_shape) >= 2 and all(
+        a == b or a == 1 for a, b in zip(shape, param_shape))
+
+
 @torch.no_grad()
 def _shrink(p: nn.Parameter, left, right, optimizer) -> None:
     old_shape = p.shape
@@ -40,8 +46,15 @@ def _shrink(p: nn.Parameter, left, right, optimizer) -> None:
     if optimizer is not None and p in optimizer.state:
         state = optimizer.state[p]
         for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and value.shape == old_shape:
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.shape == old_shape:
                 state[key] = _cut(value, left, right)
+            elif _factored(value.shape, old_shape):
+                # a factored statistic (Adafactor's row_var / col_var): same dims, some of them
+                # reduced to 1; cut the rank dims it still has
+                state[key] = _cut(value, left if value.shape[0] == old_shape[0] else None,
+                                  right if value.shape[-1] == old_shape[-1] else None)
 
 
 def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, List[int]]:
@@ -53,7 +66,9 @@ def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -
     at the smaller ranks.  Pass the ``optimizer`` that trains the model to cut
     its per-parameter state the same way (every state tensor shaped like the
     parameter); without it, stale state of a pruned parameter would no longer
-    fit.
+    fit.  Factored statistics (Adafactor's row / column variances, shaped like
+    the parameter with some dims reduced to 1) are cut along the rank dims
+    they keep.
 
     Returns ``{layer name: new ranks}`` for the layers that changed.
 

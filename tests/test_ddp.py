@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comera
+import comera.integrations.ddp  # noqa: F401
 
 WORLD = 2
 
@@ -82,7 +83,7 @@ def _rank_adaptive_phase(rank):
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     start = comera.compression(model)
-    ra = comera.RankAdaptive(model, gamma=1e-2, threshold=1e-2, stage1_steps=6, stage2_steps=12,
+    ra = comera.RankAdaptive(model, gamma=0.5, threshold=1e-2, stage1_steps=6, stage2_steps=12,
                              target_compression=2.0 * start)
     half = slice(rank * 4, (rank + 1) * 4)
     old = ddp                                   # an old wrapper that stays referenced
@@ -112,7 +113,30 @@ def _rank_adaptive_phase(rank):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-PHASES = [_grad_phase, _rank_adaptive_phase]
+def _hook_phase(rank):
+    """RankAdaptive attached to each process's optimizer: both stages run from
+    the optimizer hook, on the all-reduced gradients, identically everywhere."""
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    start = comera.compression(model)
+    ra = comera.RankAdaptive(model, gamma=0.5, threshold=1e-2, stage1_steps=6, stage2_steps=10,
+                             target_compression=2.0 * start).attach(opt)
+    half = slice(rank * 4, (rank + 1) * 4)
+    for x, y in _data(16):
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[half]), y[half]).backward()
+        opt.step()
+    assert ra.steps == 16 and ra.frozen
+    assert abs(ra.compression() / (2.0 * start) - 1) <= 0.05
+    assert _same_everywhere([p.detach().tolist() for p in model.parameters()])
+    assert _same_everywhere([s.tolist() for s in ra._saliency])
+    ddp, _ = comera.integrations.ddp.prune(ddp, opt)
+    assert _same_everywhere(comera.integrations.ddp.all_ranks(model))
+    ra.detach()
+
+
+PHASES = [_grad_phase, _rank_adaptive_phase, _hook_phase]
 
 
 def _worker(rank, init_file, out_dir):
@@ -151,3 +175,7 @@ def test_ddp_gradients_equal_single_process_on_concatenated_batch(ddp_run):
 
 def test_ddp_rank_adaptive_and_prune_keep_ranks_identical(ddp_run):
     _check(ddp_run, _rank_adaptive_phase)
+
+
+def test_ddp_attached_rank_adaptive_is_identical_in_every_process(ddp_run):
+    _check(ddp_run, _hook_phase)
