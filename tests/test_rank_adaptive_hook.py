@@ -178,3 +178,32 @@ def test_saliency_is_the_running_average_of_g_times_grad():
         opt.step()
     for s, e in zip(ra._saliency, expect):
         torch.testing.assert_close(s, e)
+
+
+def test_stage2_kills_the_least_salient_ranks():
+    """Every stage-2 kill of the saliency rule is, within its bond, the entry
+    with the smallest saliency average: no kill without a loss-aware reason."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ra = comera.RankAdaptive(model, **dict(RA, gamma=0.0, prune_every=None)).attach(opt)
+    seen, kills = {}, []
+    scores, commit = ra._scores, ra._commit
+
+    def spy_scores(before, died):
+        seen["s"] = scores(before, died)
+        return seen["s"]
+
+    def spy_commit(decision, before):
+        if decision.kill:
+            expect = [{j: float(s[j]) for j in per} for s, per in zip(ra._saliency, seen["s"])]
+            assert [dict(per) for per in seen["s"]] == expect     # the scores are the saliencies
+            alive = [dict(per) for per in seen["s"]]
+            for b, j in decision.kill:
+                assert alive[b][j] == min(alive[b].values())
+                del alive[b][j]
+            kills.extend(decision.kill)
+        commit(decision, before)
+
+    ra._scores, ra._commit = spy_scores, spy_commit
+    _train(model, opt, ra, _batches(24), attached=True)
+    assert len(kills) > 10 and ra.frozen
