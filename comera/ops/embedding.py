@@ -296,6 +296,10 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
     in a CUDA graph) and an index out of range reads as a NaN row.  On the
     CPU ``capturable`` changes nothing: the C kernels always check.
 
+    bfloat16/float16 cores: on the CPU the lookup runs on float32 copies and
+    the rows are returned in the cores' dtype.  torch.func transforms and
+    forward-mode AD are supported (see :mod:`comera.ops.func`).
+
     Example:
         >>> import torch, comera
         >>> emb = comera.TTEmbedding(100, 12, rank=4)
