@@ -457,3 +457,15 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(f"comera.pretrain.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_demo_presets_have_a_target_at_least_twice_their_start(name):
+    """`make demo` shows ranks shrinking: the preset starts above its target
+    rank, and the target at least doubles the converted layers' compression."""
+    from comera.pretrain.model import build_comera
+    p = preset(name)
+    counts = count_parameters(build_comera(p, p.vocab_size, 0))
+    start = counts["converted_dense"] / counts["converted_tt"]
+    assert p.target_compression is not None and p.target_compression >= 2 * start, (start, p)
+    assert p.gamma > 0 and p.stage1 > 0 and p.stage2 > 0 and p.stage2_rule == "saliency"

@@ -57,9 +57,9 @@ PRESETS = {
     # same lr, so CoMERA gets a larger one.  The ranks start at 16 / 32
     # (about 10x on the converted layers) and stage 2 takes them to 25x.
     "tiny": Preset(layers=2, hidden=128, heads=2, ffn=512, seq_len=64, dropout=0.0, batch_size=16,
-                   steps=300, lr=1e-3, lr_comera=3e-3, eval_every=50, checkpoint_every=100,
+                   steps=200, lr=1e-3, lr_comera=3e-3, eval_every=50, checkpoint_every=100,
                    max_train_tokens=1_000_000, tokenizer_max_mb=4.0, rank=16, vocab_rank=32,
-                   gamma=0.5, stage1=0.3, stage2=0.4, target_compression=25.0, prune_every=25),
+                   gamma=0.5, stage1=0.3, stage2=0.4, target_compression=25.0, prune_every=20),
     "small": Preset(layers=4, hidden=256, heads=4, ffn=1024, seq_len=256, batch_size=32, steps=3000,
                     lr=7e-4, lr_comera=2e-3, eval_every=250, checkpoint_every=500,
                     tokenizer_max_mb=12.0, rank=24, vocab_rank=48, gamma=0.5,
