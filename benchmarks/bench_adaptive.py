@@ -167,6 +167,10 @@ def markdown(res: dict) -> str:
              "converted (TT) layers' parameters.", "",
              f"Command: `{res['command']}`", "", machine_line(res["machine"]), "",
              f"Settings: {res['settings']}", ""]
+    if res.get("reduced"):
+        lines += [f"This is a reduced run of the protocol ({res['reduced']}); the full protocol is "
+                  "`python benchmarks/bench_adaptive.py` (presets tiny and small at their own step "
+                  "counts, targets 15x, 25x and 40x, 3 seeds, lr grid 1e-3, 3e-3, 1e-2).", ""]
     lines += ["| preset | target | method | lr | valid loss | TT params | compression | "
               "ranks (first seed, first 3 layers) |", "|---|---|---|---|---|---|---|---|"]
     for pname, pres in res["presets"].items():
@@ -223,6 +227,34 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+FULL = {"presets": ["tiny", "small"], "targets": [15.0, 25.0, 40.0], "seeds": [0, 1, 2],
+        "lrs": [1e-3, 3e-3, 1e-2], "steps": None}
+
+
+def reduced(res: dict) -> str:
+    """What a run left out of the full protocol ('' when nothing)."""
+    args = res.get("args")
+    if args is None:       # recorded before the arguments were kept: read the command
+        cmd = res["command"].split()
+        args, key = {}, None
+        for tok in cmd[2:]:
+            if tok.startswith("--"):
+                key = tok[2:]
+                args[key] = []
+            elif key:
+                args[key].append(tok)
+        args = {k: (v if k in ("presets",) else [float(x) for x in v]) for k, v in args.items()}
+        if "steps" in args:
+            args["steps"] = int(args["steps"][0])
+    out = []
+    for k, full in FULL.items():
+        mine = args.get(k, full)
+        if mine is not None and mine != full:
+            want = full if full is not None else "each preset's"
+            out.append(f"{k} {mine} instead of {want}")
+    return "; ".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
@@ -236,7 +268,20 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--cache", default=os.path.join("runs", "bench-adaptive-cache"),
                     help="tokenizer cache folder (relative to the repository)")
+    ap.add_argument("--redraw", default=None, metavar="JSON",
+                    help="only rewrite the Markdown and the plot from a result JSON")
     args = ap.parse_args(argv)
+    if args.redraw:
+        with open(args.redraw) as fh:
+            res = json.load(fh)
+        res["reduced"] = reduced(res)
+        base = args.redraw[:-len(".json")]
+        with open(args.redraw, "w") as fh:
+            json.dump(res, fh, indent=1)
+        with open(base + ".md", "w") as fh:
+            fh.write(markdown(res))
+        plot(res, base + ".png")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     rec = machine_record(measure=False)
@@ -282,6 +327,8 @@ def main(argv=None):
                        f"{args.lrs}, steps {args.steps or 'preset'}, stage-2 rule {args.rule}; "
                        f"{res['wall_s'] / 60:.1f} min")
     res["settings_short"] = f"{len(args.seeds)} seeds, {args.steps or 'preset'} steps"
+    res["args"] = vars(args)
+    res["reduced"] = reduced(res)
     device = "cpu"
     os.makedirs(RESULTS, exist_ok=True)
     base = os.path.join(RESULTS, f"adaptive_{device}{args.tag}")
