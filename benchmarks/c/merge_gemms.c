@@ -4,9 +4,11 @@
  * packing, and the whole comera_tt_linear_fwd/bwd for comparison.
  *
  *   make -C benchmarks/c run            # 768 -> 3072, rank 30, 4096 rows
- *   ./build/merge_gemms IN OUT RANK ROWS
+ *   ./build/merge_gemms IN OUT RANK ROWS [ROW_BLOCK]
  *
- * Prints milliseconds and GFLOP/s per product (median of 5). */
+ * Prints milliseconds and GFLOP/s per product (median of 5), by the
+ * thread's CPU time (CLOCK_THREAD_CPUTIME_ID): on a shared machine, time
+ * spent descheduled does not count (a core shared through SMT still does). */
 #include "comera/tt_linear.h"
 #include "common/gemm.h"
 #include "tt_linear/shape.h"
@@ -18,7 +20,7 @@
 
 static double now(void) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
@@ -34,12 +36,12 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 /* the product `which` over every row block (see phase names below) */
-enum { T_XV, Y_TU, S_DYUT, DX_SVT, PACK_TE, DU_TDY, PACK_S, DV_SX, NPHASE };
+enum { T_XV, Y_TU, S_DYUT, DX_SVT, PACK_DY, DU_TDY, PACK_X, DV_SX, NPHASE };
 static const char *NAMES[NPHASE] = {
     "fwd  T = x V        (M=rb N=r  K=in)", "fwd  y = T U        (M=rb N=out K=r)",
     "bwd  S = dy U^T     (M=rb N=r  K=out)", "bwd  dx = S V^T     (M=rb N=in K=r)",
-    "bwd  pack [T | 1] block", "bwd  dU^T += dy^T [T|1] (M=out N=r+1 K=rb)",
-    "bwd  pack S block", "bwd  dV += x^T S     (M=in N=r K=rb)"};
+    "bwd  pack dy block", "bwd  dU += [T|1]^T dy (M=r+1 N=out K=rb)",
+    "bwd  pack x block", "bwd  dV^T += S^T x  (M=r N=in K=rb)"};
 
 typedef struct {
     int64_t in, out, r, rows, rb;
@@ -56,10 +58,10 @@ static void phase(bufs *b, int which) {
         case Y_TU: comera_gemm_packed_f32(nr, out, r, b->t + r0 * r, r, 1, b->Up, b->y + r0 * out, out, 0); break;
         case S_DYUT: comera_gemm_packed_f32(nr, r, out, dyb, out, 1, b->UTp, b->S, r, 0); break;
         case DX_SVT: comera_gemm_packed_f32(nr, in, r, b->S, r, 1, b->VTp, b->dx + r0 * in, in, 0); break;
-        case PACK_TE: comera_gemm_pack_b_f32(nr, re, b->Te, re, 1, b->Bp); break;
-        case DU_TDY: comera_gemm_packed_f32(out, re, nr, dyb, 1, out, b->Bp, b->dUe, re, 1); break;
-        case PACK_S: comera_gemm_pack_b_f32(nr, r, b->S, r, 1, b->Bp); break;
-        case DV_SX: comera_gemm_packed_f32(in, r, nr, xb, 1, in, b->Bp, b->dVt, r, 1); break;
+        case PACK_DY: comera_gemm_pack_b_f32(nr, out, dyb, out, 1, b->Bp); break;
+        case DU_TDY: comera_gemm_packed_f32(re, out, nr, b->Te, 1, re, b->Bp, b->dUe, out, 1); break;
+        case PACK_X: comera_gemm_pack_b_f32(nr, in, xb, in, 1, b->Bp); break;
+        case DV_SX: comera_gemm_packed_f32(r, in, nr, b->S, 1, r, b->Bp, b->dVt, in, 1); break;
         }
     }
 }
@@ -152,14 +154,14 @@ static void whole_layer(bufs *b) {
 
 int main(int argc, char **argv) {
     bufs b = {.in = 768, .out = 3072, .r = 30, .rows = 4096};
-    if (argc == 5) {
+    if (argc >= 5) {
         b.in = atoll(argv[1]); b.out = atoll(argv[2]);
         b.r = atoll(argv[3]); b.rows = atoll(argv[4]);
     }
     int64_t wide = b.in > b.out ? b.in : b.out;
     comera_tt_linear_shape s = {0};
     s.in = b.in; s.out = b.out;
-    b.rb = comera_tt_row_block(&s);
+    b.rb = argc >= 6 ? atoll(argv[5]) : comera_tt_row_block(&s);
     int64_t r = b.r, re = r + 1;
     b.x = fbuf(b.rows * b.in); b.dy = fbuf(b.rows * b.out);
     b.t = fbuf(b.rows * r); b.y = fbuf(b.rows * b.out); b.dx = fbuf(b.rows * b.in);

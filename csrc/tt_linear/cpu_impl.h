@@ -152,18 +152,20 @@ static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
 }
 
 /* One row block of the merge backward, on one thread's workspace:
- *   S = dy U^T, dx = S V^T, dU^T += dy^T [T | 1], dV += x^T S.
- * The two weight gradients are computed transposed, features as rows: the
- * activation block (dy or x) is then read in place, six adjacent features of
- * one row per step, and only the narrow [T | 1] and S blocks are packed
- * (rows x r), not the wide dy and x blocks.  The column of ones turns the
- * bias gradient (column sums of dy) into one more column of dU^T. */
+ *   S = dy U^T, dx = S V^T, dU += [T | 1]^T dy, dV^T += S^T x.
+ * The column of ones turns the bias gradient (column sums of dy) into one
+ * more row of the dU product.  dy and x rows lie a power-of-two-ish stride
+ * apart, which maps a column strip of them onto one cache set, so each block
+ * is packed into 16-column panels (contiguous, L1-resident per panel) before
+ * the weight-gradient products read it; the block is still in L2 from the
+ * S product (measured: reading dy in place instead, features as rows, was
+ * up to 1.4x slower at rank 64, docs/design.md section 5). */
 typedef struct {
-    REAL *dUt; /* out x (r + 1): d(U)^T, last column d(bias) */
-    REAL *dV;  /* in x r */
+    REAL *dUe; /* (r + 1) x out: d(U), last row d(bias) */
+    REAL *dVt; /* r x in: d(V)^T */
     REAL *S;   /* rb x r */
     REAL *Te;  /* rb x (r + 1): [T | 1] */
-    REAL *Sp, *Tp; /* S and [T | 1] packed */
+    REAL *Bp;  /* a dy or x block packed */
 } FN(bwd_ws);
 
 static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL *xb,
@@ -176,10 +178,10 @@ static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const 
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         w->Te[i * re + rm] = 1;
     }
-    FN(comera_gemm_pack_b)(nr, re, w->Te, re, 1, w->Tp);
-    FN(comera_gemm_packed)(out, re, nr, dyb, 1, out, w->Tp, w->dUt, re, 1);
-    FN(comera_gemm_pack_b)(nr, rm, w->S, rm, 1, w->Sp);
-    FN(comera_gemm_packed)(in, rm, nr, xb, 1, in, w->Sp, w->dV, rm, 1);
+    FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, w->Bp);
+    FN(comera_gemm_packed)(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
+    FN(comera_gemm_pack_b)(nr, in, xb, in, 1, w->Bp);
+    FN(comera_gemm_packed)(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);
 }
 
 static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
@@ -190,8 +192,8 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
     int nt = threads_for(nthreads, blocks);
-    int64_t per = out * re + in * rm + rb * rm + rb * re + comera_gemm_packed_size(rb, rm) +
-                  comera_gemm_packed_size(rb, re);
+    int64_t per = out * re + in * rm + rb * rm + rb * re +
+                  comera_gemm_packed_size(rb, in > out ? in : out);
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *deff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
@@ -209,12 +211,11 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
         {
             int tid = omp_get_thread_num();
             FN(bwd_ws) w;
-            w.dUt = ws + per * tid;
-            w.dV = w.dUt + out * re;
-            w.S = w.dV + in * rm;
+            w.dUe = ws + per * tid;
+            w.dVt = w.dUe + re * out;
+            w.S = w.dVt + rm * in;
             w.Te = w.S + rb * rm;
-            w.Sp = w.Te + rb * re;
-            w.Tp = w.Sp + comera_gemm_packed_size(rb, rm);
+            w.Bp = w.Te + rb * re;
             /* stride by the team actually granted: inside another parallel
              * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
              * per-thread sums stay zero */
@@ -230,12 +231,13 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
         if (dbias)
             for (int64_t j = 0; j < out; j++) dbias[j] = 0;
         for (int th = 0; th < nt; th++) {
-            const REAL *dUt = ws + per * th, *dV = dUt + out * re;
-            for (int64_t j = 0; j < out; j++)
-                for (int64_t c = 0; c < rm; c++) dUall[c * s->out_pad + j] += dUt[j * re + c];
-            for (int64_t i = 0; i < in * rm; i++) dVall[i] += dV[i];
+            const REAL *dUe = ws + per * th, *dVt = dUe + re * out;
+            for (int64_t c = 0; c < rm; c++)
+                for (int64_t j = 0; j < out; j++) dUall[c * s->out_pad + j] += dUe[c * out + j];
+            for (int64_t i = 0; i < in; i++)
+                for (int64_t c = 0; c < rm; c++) dVall[i * rm + c] += dVt[c * in + i];
             if (dbias)
-                for (int64_t j = 0; j < out; j++) dbias[j] += dUt[j * re + rm];
+                for (int64_t j = 0; j < out; j++) dbias[j] += dUe[rm * out + j];
         }
         rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
         if (!rc) rc = FN(merge_chain_bwd)(s, s->p, s->D - 1, eff, P, dP, deff);
