@@ -5,6 +5,14 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "common/gemm.h"
+
+namespace {
+// The float32 micro-kernel variant of the C kernels ("avx512", "avx2",
+// "generic"): chosen once per process, COMERA_ISA forces one.
+std::string cpu_isa() { return comera_gemm_isa(); }
+}  // namespace
+
 TORCH_LIBRARY(comera, m) {
     // y = x W^T + bias for a TT weight; also returns t = x V (batch x r_mid)
     // that the backward reuses.  path: 0 auto (planner), 1 merge, 2 sequential.
@@ -46,6 +54,9 @@ TORCH_LIBRARY(comera, m) {
     // of zero or whose sign changed die (gate and sign set to 0), keeping at
     // least min_live per gate.  Returns the live count per gate (int64), -1
     // for a gate holding a NaN (then nothing is modified).
+    // --- the C kernels' micro-kernel variant (docs/design.md section 5) ---
+    m.def("cpu_isa() -> str", &cpu_isa);
+
     m.def("gate_prox_(Tensor(a!)[] gates, Tensor(b!)[] signs, float threshold, int min_live, "
           "bool kill) -> Tensor");
 }

@@ -17,6 +17,15 @@
 extern "C" {
 #endif
 
+/* The float32 micro-kernel variant in use: "avx512", "avx2" or "generic".
+ * Chosen once per process: the best the CPU runs, or the one the COMERA_ISA
+ * environment variable names (avx512|avx2|generic|auto; one the CPU cannot
+ * run, or an unknown name, warns on stderr and falls back to the best). */
+const char *comera_gemm_isa(void);
+
+/* 1 when the variant `name` is built in and this CPU runs it, else 0. */
+int comera_gemm_isa_available(const char *name);
+
 /* Width of a packed B panel, in columns. */
 #define COMERA_GEMM_NR 16
 

@@ -91,37 +91,97 @@ static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
     return FN(merge_chain)(s, s->p, s->D - 1, eff, P);
 }
 
+/* One row block of the merge forward: T = x V, then y = [T | 1] [U; bias],
+ * the bias folded into the product as one more row of U (no second pass
+ * over y).  Te is a rb x (r + 1) scratch; without a bias y = T U. */
+static void FN(fwd_block)(const tt_shape *s, int64_t nr, const REAL *xb, const REAL *Vp,
+                          const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te) {
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    FN(comera_gemm_packed)(nr, rm, in, xb, in, 1, Vp, tb, rm, 0);
+    if (!has_bias) {
+        FN(comera_gemm_packed)(nr, out, rm, tb, rm, 1, Up, yb, out, 0);
+        return;
+    }
+    for (int64_t i = 0; i < nr; i++) {
+        memcpy(Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
+        Te[i * re + rm] = 1;
+    }
+    FN(comera_gemm_packed)(nr, out, re, Te, re, 1, Up, yb, out, 0);
+}
+
 static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
                          const REAL *const *cores, const REAL *const *gates,
                          const REAL *bias, REAL *y, REAL *t, int nthreads) {
-    int64_t in = s->in, out = s->out, rm = s->rmid;
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    int64_t rb = comera_tt_row_block(s);
+    int64_t blocks = (batch + rb - 1) / rb;
+    int nt = threads_for(nthreads, blocks);
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
     REAL *Vp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(in, rm));
-    REAL *Up = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(rm, out));
-    int rc = (eff && P && Vp && Up) ? COMERA_OK : COMERA_ERR_NOMEM;
+    REAL *Up = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(re, out));
+    REAL *Te = malloc(sizeof(REAL) * (size_t)(rb * re * nt));
+    int rc = (eff && P && Vp && Up && Te) ? COMERA_OK : COMERA_ERR_NOMEM;
     if (!rc) rc = FN(build_merges)(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         FN(comera_gemm_pack_b)(in, rm, V, rm, 1, Vp);
+        /* [U; bias]: U's rows are the panel rows 0..rm-1, the bias row rm */
         FN(comera_gemm_pack_b)(rm, out, U, s->out_pad, 1, Up);
-        int64_t rb = comera_tt_row_block(s);
-        int64_t blocks = (batch + rb - 1) / rb;
-        int nt = threads_for(nthreads, blocks);
+        if (bias) {
+            REAL *Ub = malloc(sizeof(REAL) * (size_t)(re * out));
+            if (!Ub) rc = COMERA_ERR_NOMEM;
+            else {
+                for (int64_t c = 0; c < rm; c++)
+                    memcpy(Ub + c * out, U + c * s->out_pad, sizeof(REAL) * (size_t)out);
+                memcpy(Ub + rm * out, bias, sizeof(REAL) * (size_t)out);
+                FN(comera_gemm_pack_b)(re, out, Ub, out, 1, Up);
+                free(Ub);
+            }
+        }
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
+            if (rc) continue;
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
-            FN(comera_gemm_packed)(nr, rm, in, x + r0 * in, in, 1, Vp, t + r0 * rm, rm, 0);
-            FN(comera_gemm_packed)(nr, out, rm, t + r0 * rm, rm, 1, Up, y + r0 * out, out, 0);
-            if (bias)
-                for (int64_t i = 0; i < nr; i++) {
-                    REAL *yr = y + (r0 + i) * out;
-                    for (int64_t j = 0; j < out; j++) yr[j] += bias[j];
-                }
+            FN(fwd_block)(s, nr, x + r0 * in, Vp, Up, bias != NULL, t + r0 * rm, y + r0 * out,
+                          Te + rb * re * omp_get_thread_num());
         }
     }
-    free(eff); free(P); free(Vp); free(Up);
+    free(eff); free(P); free(Vp); free(Up); free(Te);
     return rc;
+}
+
+/* One row block of the merge backward, on one thread's workspace:
+ *   S = dy U^T, dx = S V^T, dU += [T | 1]^T dy, dV^T += S^T x.
+ * The column of ones turns the bias gradient (column sums of dy) into one
+ * more row of the dU product.  dy and x rows lie a power-of-two-ish stride
+ * apart, which maps a column strip of them onto one cache set, so each block
+ * is packed into 16-column panels (contiguous, L1-resident per panel) before
+ * the weight-gradient products read it; the block is still in L2 from the
+ * S product (measured: reading dy in place instead, features as rows, was
+ * up to 1.4x slower at rank 64, docs/design.md section 5). */
+typedef struct {
+    REAL *dUe; /* (r + 1) x out: d(U), last row d(bias) */
+    REAL *dVt; /* r x in: d(V)^T */
+    REAL *S;   /* rb x r */
+    REAL *Te;  /* rb x (r + 1): [T | 1] */
+    REAL *Bp;  /* a dy or x block packed */
+} FN(bwd_ws);
+
+static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL *xb,
+                          const REAL *tb, const REAL *UTp, const REAL *VTp, REAL *dxb,
+                          const FN(bwd_ws) *w) {
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
+    if (dxb) FN(comera_gemm_packed)(nr, in, rm, w->S, rm, 1, VTp, dxb, in, 0);
+    for (int64_t i = 0; i < nr; i++) {
+        memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
+        w->Te[i * re + rm] = 1;
+    }
+    FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, w->Bp);
+    FN(comera_gemm_packed)(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
+    FN(comera_gemm_pack_b)(nr, in, xb, in, 1, w->Bp);
+    FN(comera_gemm_packed)(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);
 }
 
 static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
@@ -132,11 +192,8 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
     int nt = threads_for(nthreads, blocks);
-    /* per thread: [dU; dbias] ((rm + 1) x out), dV^T (rm x in), S block,
-     * [T | 1] block.  The column of ones turns the bias gradient (column
-     * sums of dy) into one more row of the dU product. */
-    int64_t wide = in > out ? in : out;
-    int64_t per = re * out + rm * in + rb * rm + rb * re + comera_gemm_packed_size(rb, wide);
+    int64_t per = out * re + in * rm + rb * rm + rb * re +
+                  comera_gemm_packed_size(rb, in > out ? in : out);
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *deff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
@@ -153,35 +210,27 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
 #pragma omp parallel num_threads(nt)
         {
             int tid = omp_get_thread_num();
-            REAL *dUe = ws + per * tid, *dVt = dUe + re * out, *S = dVt + rm * in;
-            REAL *Te = S + rb * rm, *Bp = Te + rb * re;
+            FN(bwd_ws) w;
+            w.dUe = ws + per * tid;
+            w.dVt = w.dUe + re * out;
+            w.S = w.dVt + rm * in;
+            w.Te = w.S + rb * rm;
+            w.Bp = w.Te + rb * re;
             /* stride by the team actually granted: inside another parallel
              * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
              * per-thread sums stay zero */
             int team = omp_get_num_threads();
             for (int64_t b = tid; b < blocks; b += team) {
                 int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
-                const REAL *dyb = dy + r0 * out, *xb = x + r0 * in;
-                FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, S, rm, 0);
-                if (dx) FN(comera_gemm_packed)(nr, in, rm, S, rm, 1, VTp, dx + r0 * in, in, 0);
-                for (int64_t i = 0; i < nr; i++) {
-                    memcpy(Te + i * re, t + (r0 + i) * rm, sizeof(REAL) * (size_t)rm);
-                    Te[i * re + rm] = 1;
-                }
-                /* dy and x rows lie a power-of-two-ish stride apart, which
-                 * maps a column strip of them onto one cache set: pack the
-                 * block into 16-column panels (contiguous 64-byte copies) */
-                FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, Bp);
-                FN(comera_gemm_packed)(re, out, nr, Te, 1, re, Bp, dUe, out, 1);
-                FN(comera_gemm_pack_b)(nr, in, xb, in, 1, Bp);
-                FN(comera_gemm_packed)(rm, in, nr, S, 1, rm, Bp, dVt, in, 1);
+                FN(bwd_block)(s, nr, dy + r0 * out, x + r0 * in, t + r0 * rm, UTp, VTp,
+                              dx ? dx + r0 * in : NULL, &w);
             }
         }
         /* reduce the per-thread sums into d(V) and d(U) at the chain ends */
         REAL *dVall = dP + s->P_off[s->p - 1], *dUall = dP + s->P_off[s->D - 1];
         if (dbias)
             for (int64_t j = 0; j < out; j++) dbias[j] = 0;
-        for (int th = 0; th < nt && !rc; th++) {
+        for (int th = 0; th < nt; th++) {
             const REAL *dUe = ws + per * th, *dVt = dUe + re * out;
             for (int64_t c = 0; c < rm; c++)
                 for (int64_t j = 0; j < out; j++) dUall[c * s->out_pad + j] += dUe[c * out + j];
@@ -190,7 +239,7 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
             if (dbias)
                 for (int64_t j = 0; j < out; j++) dbias[j] += dUe[rm * out + j];
         }
-        if (!rc) rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
+        rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
         if (!rc) rc = FN(merge_chain_bwd)(s, s->p, s->D - 1, eff, P, dP, deff);
         if (!rc) FN(eff_grads)(s, cores, gates, deff, dcores, dgates);
     }

@@ -4,6 +4,7 @@
  * table entry by entry and pushes gradients back entry by entry; float32
  * against float64; batch and descriptor checks; the planner.
  * Prints one line per group, then "N passed, M failed"; exits 1 on failure. */
+#include "isa_guard.h"
 #include "comera/tt_embedding.h"
 #include "one_call.h"
 
@@ -425,6 +426,8 @@ static void test_inside_parallel_region(void) {
 }
 
 int main(void) {
+    int guard = isa_guard("test_embedding");
+    if (guard) return guard < 0 ? 1 : 0;
     printf("test_embedding: TT embedding kernels\n");
     for (int i = 0; i < NCASES; i++) {
         int64_t pads[] = {-1, 1};

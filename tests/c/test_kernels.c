@@ -3,6 +3,7 @@
  * reference (reference.c), finite differences of the float64 kernel,
  * float32 against float64, descriptor checks and the planner.
  * Prints one line per group, then "N passed, M failed"; exits 1 on failure. */
+#include "isa_guard.h"
 #include "reference.h"
 #include "comera/tt_linear.h"
 #include "one_call.h"
@@ -376,6 +377,8 @@ void test_check_and_plan(void); /* test_check.c */
 void test_gate_prox(void);      /* test_rank_adaptive.c */
 
 int main(void) {
+    int guard = isa_guard("test_kernels");
+    if (guard) return guard < 0 ? 1 : 0;
     test_gemm();
     test_check_and_plan();
     for (int ci = 0; ci < NCASES; ci++) test_case(&CASES[ci], 1234 + (uint64_t)ci);

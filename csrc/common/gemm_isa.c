@@ -1,0 +1,205 @@
+/* float32 micro-kernels, one per instruction set, and the choice among them.
+ *
+ * Each variant is an explicit function compiled for its ISA with
+ * __attribute__((target)), so one build runs on any x86-64 and a variant can
+ * be forced (COMERA_ISA) to test it.  The AVX2 and AVX-512 tiles use FMA
+ * intrinsics: the build is ISO C11, where GCC does not contract a * b + c
+ * into an FMA, so the plain-C form would issue a multiply and an add.
+ *
+ *   avx2     6 x 16: 12 ymm accumulators + 2 B vectors + 1 broadcast of 16
+ *            registers, enough independent FMAs to cover their latency.
+ *   avx512  12 x 16: one zmm per row, 12 accumulators (AVX-512F).  Never
+ *            selected on a CPU without AVX-512F.
+ *   generic  6 x 16 in plain C (SSE2 on x86-64 after vectorisation).
+ */
+#include "common/gemm_isa.h"
+#include "common/gemm.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(COMERA_NO_CLONES)
+#define COMERA_X86_VARIANTS 1
+#include <immintrin.h>
+#endif
+
+#define NR COMERA_GEMM_NR
+
+/* Writes (or adds) the first mr x nr of a row-major tile of 16-wide rows. */
+static void store_partial(const float *tile, int mr, int nr, float *C, int64_t ldc,
+                          int accumulate) {
+    for (int i = 0; i < mr; i++) {
+        float *c = C + i * ldc;
+        const float *t = tile + i * NR;
+        if (accumulate)
+            for (int j = 0; j < nr; j++) c[j] += t[j];
+        else
+            for (int j = 0; j < nr; j++) c[j] = t[j];
+    }
+}
+
+/* Rows beyond mr reuse the last valid row of A (every load stays in
+ * bounds); their results are computed and dropped. */
+static void row_pointers(const float **a, int rows, const float *A, int64_t rsa, int mr) {
+    for (int i = 0; i < rows; i++) a[i] = A + (i < mr ? i : mr - 1) * rsa;
+}
+
+#define GENERIC_MR 6
+static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                         const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                         int accumulate) {
+    const float *a[GENERIC_MR];
+    row_pointers(a, GENERIC_MR, A, rsa, mr);
+    float acc[GENERIC_MR][NR];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k++) {
+        const float *b = Bp + k * NR;
+        for (int i = 0; i < GENERIC_MR; i++) {
+            float s = a[i][k * csa];
+            for (int j = 0; j < NR; j++) acc[i][j] += s * b[j];
+        }
+    }
+    store_partial(&acc[0][0], mr, nr, C, ldc, accumulate);
+}
+
+#ifdef COMERA_X86_VARIANTS
+#define AVX2_MR 6
+__attribute__((target("avx2,fma")))
+static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                      const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                      int accumulate) {
+    const float *a[AVX2_MR];
+    row_pointers(a, AVX2_MR, A, rsa, mr);
+    __m256 c0[AVX2_MR], c1[AVX2_MR];
+#pragma GCC unroll 6
+    for (int i = 0; i < AVX2_MR; i++) c0[i] = c1[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 b0 = _mm256_loadu_ps(Bp + k * NR), b1 = _mm256_loadu_ps(Bp + k * NR + 8);
+        int64_t o = k * csa;
+#pragma GCC unroll 6
+        for (int i = 0; i < AVX2_MR; i++) {
+            __m256 s = _mm256_broadcast_ss(a[i] + o);
+            c0[i] = _mm256_fmadd_ps(s, b0, c0[i]);
+            c1[i] = _mm256_fmadd_ps(s, b1, c1[i]);
+        }
+    }
+    if (mr == AVX2_MR && nr == NR) {
+#pragma GCC unroll 6
+        for (int i = 0; i < AVX2_MR; i++) {
+            float *c = C + i * ldc;
+            if (accumulate) {
+                c0[i] = _mm256_add_ps(c0[i], _mm256_loadu_ps(c));
+                c1[i] = _mm256_add_ps(c1[i], _mm256_loadu_ps(c + 8));
+            }
+            _mm256_storeu_ps(c, c0[i]);
+            _mm256_storeu_ps(c + 8, c1[i]);
+        }
+        return;
+    }
+    float tile[AVX2_MR * NR];
+#pragma GCC unroll 6
+    for (int i = 0; i < AVX2_MR; i++) {
+        _mm256_storeu_ps(tile + i * NR, c0[i]);
+        _mm256_storeu_ps(tile + i * NR + 8, c1[i]);
+    }
+    store_partial(tile, mr, nr, C, ldc, accumulate);
+}
+
+#define AVX512_MR 12
+__attribute__((target("avx512f")))
+static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                        int accumulate) {
+    const float *a[AVX512_MR];
+    row_pointers(a, AVX512_MR, A, rsa, mr);
+    __m512 c[AVX512_MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < AVX512_MR; i++) c[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 b = _mm512_loadu_ps(Bp + k * NR);
+        int64_t o = k * csa;
+#pragma GCC unroll 12
+        for (int i = 0; i < AVX512_MR; i++)
+            c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i][o]), b, c[i]);
+    }
+    if (mr == AVX512_MR && nr == NR) {
+#pragma GCC unroll 12
+        for (int i = 0; i < AVX512_MR; i++) {
+            float *ci = C + i * ldc;
+            if (accumulate) c[i] = _mm512_add_ps(c[i], _mm512_loadu_ps(ci));
+            _mm512_storeu_ps(ci, c[i]);
+        }
+        return;
+    }
+    float tile[AVX512_MR * NR];
+#pragma GCC unroll 12
+    for (int i = 0; i < AVX512_MR; i++) _mm512_storeu_ps(tile + i * NR, c[i]);
+    store_partial(tile, mr, nr, C, ldc, accumulate);
+}
+#endif
+
+/* Best first: the automatic choice is the first one the CPU runs. */
+static const comera_gemm_variant VARIANTS[] = {
+#ifdef COMERA_X86_VARIANTS
+    {"avx512", AVX512_MR, tile_avx512},
+    {"avx2", AVX2_MR, tile_avx2},
+#endif
+    {"generic", GENERIC_MR, tile_generic},
+};
+#define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
+
+static int cpu_runs(const comera_gemm_variant *v) {
+#ifdef COMERA_X86_VARIANTS
+    __builtin_cpu_init();
+    if (strcmp(v->name, "avx512") == 0) return __builtin_cpu_supports("avx512f");
+    if (strcmp(v->name, "avx2") == 0)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    return strcmp(v->name, "generic") == 0;
+}
+
+static const comera_gemm_variant *in_use;
+static pthread_once_t choose_once = PTHREAD_ONCE_INIT;
+
+/* COMERA_ISA unset, empty or "auto": the best variant the CPU runs.  A name
+ * the CPU cannot run, or not built, or unknown: a warning on stderr and the
+ * automatic choice (a typo must not stop a training run; tests check the
+ * variant they asked for with comera_gemm_isa()). */
+static void choose_variant(void) {
+    const comera_gemm_variant *best = &VARIANTS[NVARIANTS - 1];
+    for (int i = NVARIANTS - 1; i >= 0; i--)
+        if (cpu_runs(&VARIANTS[i])) best = &VARIANTS[i];
+    in_use = best;
+    const char *want = getenv("COMERA_ISA");
+    if (!want || !*want || strcmp(want, "auto") == 0) return;
+    for (int i = 0; i < NVARIANTS; i++)
+        if (strcmp(want, VARIANTS[i].name) == 0) {
+            if (cpu_runs(&VARIANTS[i])) {
+                in_use = &VARIANTS[i];
+                return;
+            }
+            fprintf(stderr, "comera: COMERA_ISA=%s: this CPU cannot run it; using %s\n",
+                    want, best->name);
+            return;
+        }
+    fprintf(stderr, "comera: COMERA_ISA=%s is not one of avx512, avx2, generic, auto "
+            "(or not built here); using %s\n", want, best->name);
+}
+
+const comera_gemm_variant *comera_gemm_variant_in_use(void) {
+    pthread_once(&choose_once, choose_variant);
+    return in_use;
+}
+
+const char *comera_gemm_isa(void) {
+    return comera_gemm_variant_in_use()->name;
+}
+
+int comera_gemm_isa_available(const char *name) {
+    for (int i = 0; i < NVARIANTS; i++)
+        if (strcmp(name, VARIANTS[i].name) == 0) return cpu_runs(&VARIANTS[i]);
+    return 0;
+}

@@ -1,0 +1,24 @@
+/* The float32 micro-kernel variants of common/gemm.c and the one choice among
+ * them (internal to csrc).  A tile computes C[0..mr) x [0..nr) (+)= A * Bp
+ * for one packed 16-column panel Bp, mr <= the variant's rows, nr <= 16.
+ * The variant is chosen once per process (common/gemm_isa.c): the best one
+ * the CPU runs, or the one COMERA_ISA names (docs/design.md section 5). */
+#ifndef COMERA_GEMM_ISA_H
+#define COMERA_GEMM_ISA_H
+
+#include <stdint.h>
+
+typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                                const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                                int accumulate);
+
+typedef struct comera_gemm_variant {
+    const char *name; /* "avx512", "avx2" or "generic" */
+    int mr;           /* rows of A per tile */
+    comera_tile_f32 tile;
+} comera_gemm_variant;
+
+/* The variant in use; the first call decides, later calls return the same. */
+const comera_gemm_variant *comera_gemm_variant_in_use(void);
+
+#endif
