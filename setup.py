@@ -41,6 +41,8 @@ def _read_build_mk(path=os.path.join(CSRC, "build.mk")):
 BUILD_MK = _read_build_mk()
 C_FLAGS = (BUILD_MK["COMERA_C_STD"] + BUILD_MK["COMERA_C_WARN"] + BUILD_MK["COMERA_C_OPENMP"]
            + ["-O3", "-fPIC", "-fno-strict-aliasing"])
+# The stable-ABI version the glue targets: torch 2.13 ((major << 56) | (minor << 48)).
+TORCH_TARGET_VERSION = "0x020d000000000000"
 C_INCLUDES = [os.path.normpath(os.path.join(CSRC, d)) for d in BUILD_MK["COMERA_C_INCLUDES"]]
 
 
@@ -194,7 +196,9 @@ def main():
     sources = [os.path.join("csrc", "registration.cpp")]
     sources += sorted(glob.glob(os.path.join("csrc", "*", "op.cpp")))
     cxx_flags = ["-O3", _cxx_standard(), "-Wall"]
-    define_macros = []
+    # the glue is on the LibTorch stable ABI: this is the oldest torch the
+    # built library loads into (pyproject.toml states the same minimum)
+    define_macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     ext_cls = CppExtension
     kwargs = {}
     extra_include, extra_link = [], []
@@ -216,9 +220,13 @@ def main():
         include_dirs=C_INCLUDES + extra_include,
         define_macros=define_macros,
         extra_compile_args=extra,
-        extra_link_args=["-fopenmp"] + extra_link,
+        extra_link_args=["-fopenmp", "-Wl,--as-needed"] + extra_link,
         **kwargs,
     )
+    # The stable ABI needs only libtorch's C shims (libtorch_cpu): no c10,
+    # libtorch_python (PyInit__C is plain CPython) or torch's CUDA libraries.
+    version_bound = {"c10", "torch", "torch_python", "c10_cuda", "torch_cuda"}
+    ext.libraries = [lib for lib in ext.libraries if lib not in version_bound]
     setup(ext_modules=[ext], cmdclass={"build_ext": BuildWithC})
 
 

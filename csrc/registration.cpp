@@ -1,11 +1,12 @@
 // Every comera operator schema, in one place, and the Python module.
 // Implementations are registered per device (CPU, and CUDA in a CUDA build)
 // in csrc/<op>/op.cpp; fakes and autograd are registered from Python
-// (comera/ops/).
+// (comera/ops/).  Everything is on the LibTorch stable ABI: the library loads
+// into every torch from the one its TORCH_TARGET_VERSION names (setup.py) on.
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(comera, m) {
+STABLE_TORCH_LIBRARY(comera, m) {
     // y = x W^T + bias for a TT weight; also returns t = x V (batch x r_mid)
     // that the backward reuses.  path: 0 auto (planner), 1 merge, 2 sequential.
     m.def("tt_linear(Tensor x, Tensor[] cores, Tensor[] gates, Tensor? bias, "
