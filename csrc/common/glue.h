@@ -48,7 +48,8 @@
 #include <utility>
 #endif
 
-namespace comera_glue {
+// hidden: nothing of the glue enters the dynamic symbol table
+namespace comera_glue __attribute__((visibility("hidden"))) {
 
 using torch::headeronly::IntHeaderOnlyArrayRef;
 using torch::headeronly::ScalarType;
