@@ -127,6 +127,27 @@ inline std::string shape_text(const Tensor &t) { return list_text(t.sizes()); }
 inline bool is_cuda(const Device &d) { return d.type() == torch::headeronly::DeviceType::CUDA; }
 inline bool is_cpu(const Device &d) { return d.type() == torch::headeronly::DeviceType::CPU; }
 
+// Identities for the per-tensor checks, one or two shim calls each and no
+// enum translation (scalar_type() and device() translate the shim's codes
+// through a chain of calls): equal ids, equal dtype / device.
+inline int32_t dtype_id(const Tensor &t) {
+    int32_t v;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &v));
+    return v;
+}
+inline int64_t device_id(const Tensor &t) {
+    int32_t type, index;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &index));
+    return (static_cast<int64_t>(type) << 32) | static_cast<uint32_t>(index);
+}
+
+// Each of ts made contiguous in place (most already are: one shim call each).
+inline void make_contiguous(std::vector<Tensor> &ts) {
+    for (auto &t : ts)
+        if (!t.is_contiguous()) t = torch::stable::contiguous(t);
+}
+
 // t itself when already contiguous (one shim call), else a contiguous copy.
 inline Tensor as_contiguous(const Tensor &t) {
     return t.is_contiguous() ? t : torch::stable::contiguous(t);

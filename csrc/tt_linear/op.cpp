@@ -34,9 +34,23 @@ struct LinearCall {
     comera_tt_linear_prep prep{};
     ScalarType dtype;
     Device device;
-    explicit LinearCall(const Tensor &x_in)
-        : x(as_contiguous(x_in)), dtype(x_in.scalar_type()), device(x_in.device()) {}
+    int32_t dtype_id;   // glue.h: cheap equality checks against x's
+    int64_t device_id;
+    LinearCall(const Tensor &x_in, std::vector<Tensor> &&cores_in, std::vector<Tensor> &&gates_in)
+        : x(as_contiguous(x_in)),
+          cores(std::move(cores_in)),
+          gates(std::move(gates_in)),
+          dtype(x_in.scalar_type()),
+          device(x_in.device()),
+          dtype_id(comera_glue::dtype_id(x_in)),
+          device_id(comera_glue::device_id(x_in)) {
+        make_contiguous(cores);
+        make_contiguous(gates);
+    }
     int64_t rmid() const { return ranks[d.num_in]; }
+    bool like_x(const Tensor &t) const {
+        return comera_glue::dtype_id(t) == dtype_id && comera_glue::device_id(t) == device_id;
+    }
 };
 
 inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
@@ -50,33 +64,31 @@ inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
     c.ranks.push_back(1);
     for (int64_t k = 0; k < D; k++) {
         const Tensor &core = c.cores[k];
-        COMERA_CHECK(core.dim() == 3, op, ": core ", k, " must be 3-D");
-        COMERA_CHECK(core.size(0) == c.ranks.back(), op, ": core ", k, " has left rank ",
-                     core.size(0), ", expected ", c.ranks.back());
-        COMERA_CHECK(core.scalar_type() == c.dtype && core.device() == c.device, op, ": core ", k,
-                     " must match x in dtype and device");
-        (k < num_in ? c.in_modes : c.out_modes).push_back(core.size(1));
-        c.ranks.push_back(core.size(2));
+        const IntHeaderOnlyArrayRef cs = core.sizes();  // one shim call for dim and sizes
+        COMERA_CHECK(cs.size() == 3, op, ": core ", k, " must be 3-D");
+        COMERA_CHECK(cs[0] == c.ranks.back(), op, ": core ", k, " has left rank ", cs[0],
+                     ", expected ", c.ranks.back());
+        COMERA_CHECK(c.like_x(core), op, ": core ", k, " must match x in dtype and device");
+        (k < num_in ? c.in_modes : c.out_modes).push_back(cs[1]);
+        c.ranks.push_back(cs[2]);
         if (k == D - 1) continue;
         const Tensor &g = c.gates[k];
-        COMERA_CHECK(g.dim() == 1 && g.size(0) == core.size(2), op, ": gate ", k,
-                     " must have shape (", core.size(2), ",)");
-        COMERA_CHECK(g.scalar_type() == c.dtype && g.device() == c.device, op, ": gate ", k,
-                     " must match x in dtype and device");
+        const IntHeaderOnlyArrayRef gs = g.sizes();
+        COMERA_CHECK(gs.size() == 1 && gs[0] == cs[2], op, ": gate ", k, " must have shape (",
+                     cs[2], ",)");
+        COMERA_CHECK(c.like_x(g), op, ": gate ", k, " must match x in dtype and device");
     }
     COMERA_CHECK(c.ranks.back() == 1, op, ": last core must have right rank 1");
 }
 
 // Checks x, the cores and gates and `path`, then prepares the call once.
-inline LinearCall prepare_linear(const char *op, const Tensor &x, const std::vector<Tensor> &cores,
-                                 const std::vector<Tensor> &gates, int64_t num_in,
+inline LinearCall prepare_linear(const char *op, const Tensor &x, std::vector<Tensor> &&cores,
+                                 std::vector<Tensor> &&gates, int64_t num_in,
                                  int64_t out_features, int64_t path) {
     COMERA_CHECK(x.dim() == 2, op, ": x must be 2-D, got ", x.dim(), "-D");
     COMERA_CHECK(path >= COMERA_PATH_AUTO && path <= COMERA_PATH_SEQUENTIAL, op,
                  ": path must be 0 (auto), 1 (merge) or 2 (sequential), got ", path);
-    LinearCall c(x);
-    c.cores = contiguous_all(cores);
-    c.gates = contiguous_all(gates);
+    LinearCall c(x, std::move(cores), std::move(gates));
     describe_cores(op, c, num_in);
     c.d.num_in = static_cast<int32_t>(num_in);
     c.d.num_out = static_cast<int32_t>(c.cores.size() - num_in);
@@ -96,8 +108,7 @@ inline std::optional<Tensor> check_bias(const char *op, const LinearCall &c,
                                         const std::optional<Tensor> &bias) {
     if (!bias.has_value()) return std::nullopt;
     int64_t out = c.d.out_features;
-    COMERA_CHECK(bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == c.dtype &&
-                     bias->device() == c.device,
+    COMERA_CHECK(bias->dim() == 1 && bias->size(0) == out && c.like_x(*bias),
                  op, ": bias must be a (", out, ",) tensor of ", c.dtype, " on ",
                  device_name(c.device));
     return as_contiguous(*bias);
@@ -107,11 +118,9 @@ inline std::optional<Tensor> check_bias(const char *op, const LinearCall &c,
 inline void check_backward_inputs(const char *op, const LinearCall &c, const Tensor &gy,
                                   const Tensor &t) {
     int64_t batch = c.x.size(0), out = c.d.out_features;
-    COMERA_CHECK(gy.dim() == 2 && gy.size(0) == batch && gy.size(1) == out &&
-                     gy.scalar_type() == c.dtype && gy.device() == c.device,
+    COMERA_CHECK(gy.dim() == 2 && gy.size(0) == batch && gy.size(1) == out && c.like_x(gy),
                  op, ": grad_y must be (", batch, ", ", out, ") like x");
-    COMERA_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == c.rmid() &&
-                     t.scalar_type() == c.dtype && t.device() == c.device,
+    COMERA_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == c.rmid() && c.like_x(t),
                  op, ": t must be (", batch, ", ", c.rmid(), ") like x");
 }
 
@@ -227,7 +236,8 @@ std::tuple<Tensor, Tensor> tt_linear(Tensor x, std::vector<Tensor> cores,
 #ifdef COMERA_WITH_CUDA
     CudaGuard guard(device);
 #endif
-    LinearCall c = prepare_linear(op, x, cores, gates, num_in, out_features, path);
+    LinearCall c = prepare_linear(op, x, std::move(cores), std::move(gates), num_in, out_features,
+                                  path);
     std::optional<Tensor> bias = check_bias(op, c, bias_in);
     int64_t batch = c.x.size(0);
     Tensor y = empty({batch, out_features}, c.dtype, device);
@@ -254,7 +264,8 @@ std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, Tensor> tt_linear_b
 #ifdef COMERA_WITH_CUDA
     CudaGuard guard(device);
 #endif
-    LinearCall c = prepare_linear(op, x, cores, gates, num_in, out_features, path);
+    LinearCall c = prepare_linear(op, x, std::move(cores), std::move(gates), num_in, out_features,
+                                  path);
     Tensor gy = as_contiguous(grad_y), t = as_contiguous(t_in);
     check_backward_inputs(op, c, gy, t);
     LinearGrads g = empty_linear_grads(c, has_bias, needs_input_grad);
