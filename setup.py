@@ -9,7 +9,7 @@ CUDA part compiled with COMERA_WITH_CUDA), plus csrc/<op>/*.cu with CUDA.
 Environment:
   COMERA_CUDA=auto|0|1   build the CUDA kernels (auto: torch was built with
                          CUDA and nvcc is found; never asks for a GPU)
-  TORCH_CUDA_ARCH_LIST   CUDA architectures (default includes sm_90)
+  TORCH_CUDA_ARCH_LIST   CUDA architectures (default 8.0;9.0;10.0)
   CC                     C compiler for the kernels (default: cc)
 """
 import glob
@@ -184,7 +184,8 @@ def main():
     print(f"comera build configuration: CUDA {why}; C kernels: C11 -O3 OpenMP; "
           f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(default)')}")
     if with_cuda and "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        # sm_80 (A100), sm_90 (H100), sm_100 (B200; nvcc >= 12.8, CUDA 13 has it)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0;10.0"
 
     class BuildWithC(BuildExtension):
         def build_extensions(self):
