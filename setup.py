@@ -196,7 +196,13 @@ def main():
 
     sources = [os.path.join("csrc", "registration.cpp")]
     sources += sorted(glob.glob(os.path.join("csrc", "*", "op.cpp")))
-    cxx_flags = ["-O3", _cxx_standard(), "-Wall"]
+    # __FILE__ (in the stable ABI's error messages) and debug info without the
+    # build machine's folders: csrc/..., torch/include/..., include/python3.x
+    import torch
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    prefix_map = [f"-ffile-prefix-map={d}/=" for d in (ROOT, site, sys.base_prefix)]
+    cxx_flags = ["-O3", _cxx_standard(), "-Wall"] + prefix_map
     # the glue is on the LibTorch stable ABI: this is the oldest torch the
     # built library loads into (pyproject.toml states the same minimum)
     define_macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
