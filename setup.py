@@ -9,7 +9,7 @@ CUDA part compiled with COMERA_WITH_CUDA), plus csrc/<op>/*.cu with CUDA.
 Environment:
   COMERA_CUDA=auto|0|1   build the CUDA kernels (auto: torch was built with
                          CUDA and nvcc is found; never asks for a GPU)
-  TORCH_CUDA_ARCH_LIST   CUDA architectures (default includes sm_90)
+  TORCH_CUDA_ARCH_LIST   CUDA architectures (default 8.0;9.0;10.0)
   CC                     C compiler for the kernels (default: cc)
 """
 import glob
@@ -41,6 +41,8 @@ def _read_build_mk(path=os.path.join(CSRC, "build.mk")):
 BUILD_MK = _read_build_mk()
 C_FLAGS = (BUILD_MK["COMERA_C_STD"] + BUILD_MK["COMERA_C_WARN"] + BUILD_MK["COMERA_C_OPENMP"]
            + ["-O3", "-fPIC", "-fno-strict-aliasing"])
+# The stable-ABI version the glue targets: torch 2.13 ((major << 56) | (minor << 48)).
+TORCH_TARGET_VERSION = "0x020d000000000000"
 C_INCLUDES = [os.path.normpath(os.path.join(CSRC, d)) for d in BUILD_MK["COMERA_C_INCLUDES"]]
 
 
@@ -182,7 +184,8 @@ def main():
     print(f"comera build configuration: CUDA {why}; C kernels: C11 -O3 OpenMP; "
           f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(default)')}")
     if with_cuda and "TORCH_CUDA_ARCH_LIST" not in os.environ:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+        # sm_80 (A100), sm_90 (H100), sm_100 (B200; nvcc >= 12.8, CUDA 13 has it)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0;10.0"
 
     class BuildWithC(BuildExtension):
         def build_extensions(self):
@@ -193,8 +196,16 @@ def main():
 
     sources = [os.path.join("csrc", "registration.cpp")]
     sources += sorted(glob.glob(os.path.join("csrc", "*", "op.cpp")))
-    cxx_flags = ["-O3", _cxx_standard(), "-Wall"]
-    define_macros = []
+    # __FILE__ (in the stable ABI's error messages) and debug info without the
+    # build machine's folders: csrc/..., torch/include/..., include/python3.x
+    import torch
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    prefix_map = [f"-ffile-prefix-map={d}/=" for d in (ROOT, site, sys.base_prefix)]
+    cxx_flags = ["-O3", _cxx_standard(), "-Wall"] + prefix_map
+    # the glue is on the LibTorch stable ABI: this is the oldest torch the
+    # built library loads into (pyproject.toml states the same minimum)
+    define_macros = [("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)]
     ext_cls = CppExtension
     kwargs = {}
     extra_include, extra_link = [], []
@@ -216,9 +227,13 @@ def main():
         include_dirs=C_INCLUDES + extra_include,
         define_macros=define_macros,
         extra_compile_args=extra,
-        extra_link_args=["-fopenmp"] + extra_link,
+        extra_link_args=["-fopenmp", "-Wl,--as-needed"] + extra_link,
         **kwargs,
     )
+    # The stable ABI needs only libtorch's C shims (libtorch_cpu): no c10,
+    # libtorch_python (PyInit__C is plain CPython) or torch's CUDA libraries.
+    version_bound = {"c10", "torch", "torch_python", "c10_cuda", "torch_cuda"}
+    ext.libraries = [lib for lib in ext.libraries if lib not in version_bound]
     setup(ext_modules=[ext], cmdclass={"build_ext": BuildWithC})
 
 

@@ -1,9 +1,12 @@
 // Every comera operator schema, in one place, and the Python module.
 // Implementations are registered per device (CPU, and CUDA in a CUDA build)
 // in csrc/<op>/op.cpp; fakes and autograd are registered from Python
-// (comera/ops/).
+// (comera/ops/).  Everything is on the LibTorch stable ABI: the library loads
+// into every torch from the one its TORCH_TARGET_VERSION names (setup.py) on.
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+
+#include <string>
 
 #include "common/gemm.h"
 
@@ -13,7 +16,7 @@ namespace {
 std::string cpu_isa() { return comera_gemm_isa(); }
 }  // namespace
 
-TORCH_LIBRARY(comera, m) {
+STABLE_TORCH_LIBRARY(comera, m) {
     // y = x W^T + bias for a TT weight; also returns t = x V (batch x r_mid)
     // that the backward reuses.  path: 0 auto (planner), 1 merge, 2 sequential.
     m.def("tt_linear(Tensor x, Tensor[] cores, Tensor[] gates, Tensor? bias, "
@@ -54,11 +57,16 @@ TORCH_LIBRARY(comera, m) {
     // of zero or whose sign changed die (gate and sign set to 0), keeping at
     // least min_live per gate.  Returns the live count per gate (int64), -1
     // for a gate holding a NaN (then nothing is modified).
-    // --- the C kernels' micro-kernel variant (docs/design.md section 5) ---
-    m.def("cpu_isa() -> str", &cpu_isa);
-
     m.def("gate_prox_(Tensor(a!)[] gates, Tensor(b!)[] signs, float threshold, int min_live, "
           "bool kill) -> Tensor");
+
+    // --- the C kernels' micro-kernel variant (docs/design.md section 5) ---
+    m.def("cpu_isa() -> str");
+}
+
+// No tensor arguments: one implementation for every device.
+STABLE_TORCH_LIBRARY_IMPL(comera, CompositeExplicitAutograd, m) {
+    m.impl("cpu_isa", TORCH_BOX(&cpu_isa));
 }
 
 // An empty Python module: importing comera._C loads this shared library,

@@ -1,56 +1,248 @@
-// Helpers of the torch glue (csrc/<op>/op.cpp), written once: tensor lists,
-// pointer tables, dtype codes, and the one mapping of C status codes to
-// Python exceptions.
+// Helpers of the torch glue (csrc/<op>/op.cpp), written once, on the LibTorch
+// stable ABI (torch/csrc/stable, torch/headeronly; setup.py sets
+// TORCH_TARGET_VERSION to the oldest torch the binary loads into): tensor
+// lists, pointer tables, dtype codes, message text, the checks that raise
+// typed Python exceptions, the one mapping of C status codes to them, and
+// (CUDA builds) the extension's own cuBLAS handles.
+//
+// Nothing here may use ATen or c10 C++ (version-bound symbols): tensors are
+// torch::stable::Tensor, outputs come from torch::stable ops, RuntimeError
+// checks are STD_TORCH_CHECK.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
 
+#include <cstdint>
 #include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+// TYPED-ERROR FALLBACK.  The stable ABI has one error macro, STD_TORCH_CHECK,
+// which throws std::runtime_error (Python RuntimeError); it has no
+// counterpart of TORCH_CHECK_VALUE / _INDEX / _TYPE (c10::ValueError etc. are
+// version-bound C++ classes).  The ops document ValueError, IndexError and
+// TypeError, so those checks throw C++ exceptions that torch's Python op
+// binding (pybind11) translates by type: std::invalid_argument -> ValueError,
+// std::out_of_range -> IndexError (pybind11's standard translations, no
+// torch symbol involved), and pybind11::type_error -> TypeError (pybind11's
+// header-only builtin exception, which torch rethrows to pybind11 unchanged;
+// the one pybind11 header below, nothing linked).  Called from C++ (not
+// through Python) they are plain std::exception subclasses.
+#include <pybind11/detail/common.h>
+
 #include "comera/status.h"
 
-namespace comera_glue {
+#ifdef COMERA_WITH_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <torch/csrc/stable/accelerator.h>
 
-inline std::vector<at::Tensor> contiguous_all(at::TensorList ts) {
-    std::vector<at::Tensor> out;
-    for (const auto &t : ts) out.push_back(t.contiguous());
+#include <map>
+#include <mutex>
+#include <utility>
+#endif
+
+// hidden: nothing of the glue enters the dynamic symbol table
+namespace comera_glue __attribute__((visibility("hidden"))) {
+
+using torch::headeronly::IntHeaderOnlyArrayRef;
+using torch::headeronly::ScalarType;
+using torch::stable::Device;
+using torch::stable::Tensor;
+
+// ---- message text (c10::str's formats: Float, cpu, cuda:0, [2, 3])
+
+template <typename... Args>
+std::string str(const Args &...args) {
+    std::ostringstream out;
+    ((out << args), ...);
+    return out.str();
+}
+
+inline std::string device_name(const Device &d) {
+    std::string type;
+    switch (d.type()) {
+        case torch::headeronly::DeviceType::CPU: type = "cpu"; break;
+        case torch::headeronly::DeviceType::CUDA: type = "cuda"; break;
+        case torch::headeronly::DeviceType::Meta: type = "meta"; break;
+        default: type = str("device type ", static_cast<int>(d.type()));
+    }
+    return d.has_index() ? str(type, ":", static_cast<int>(d.index())) : type;
+}
+
+inline std::string list_text(IntHeaderOnlyArrayRef v) {
+    std::ostringstream out;
+    out << "[";
+    for (size_t i = 0; i < v.size(); i++) out << (i ? ", " : "") << v[i];
+    out << "]";
+    return out.str();
+}
+
+inline std::string shape_text(const Tensor &t) { return list_text(t.sizes()); }
+
+// ---- checks: RuntimeError through the stable ABI, the typed ones through
+// the fallback above.  Arguments are streamed (str) only on failure.
+
+[[noreturn]] inline void raise_value_error(const std::string &msg) {
+    throw std::invalid_argument(msg);
+}
+[[noreturn]] inline void raise_index_error(const std::string &msg) {
+    throw std::out_of_range(msg);
+}
+[[noreturn]] inline void raise_type_error(const std::string &msg) {
+    throw pybind11::type_error(msg);
+}
+[[noreturn]] inline void raise_runtime_error(const std::string &msg) {
+    throw std::runtime_error(msg);
+}
+
+#define COMERA_CHECK(cond, ...)              \
+    do {                                     \
+        STD_TORCH_CHECK(cond, __VA_ARGS__); \
+    } while (0)
+#define COMERA_CHECK_VALUE(cond, ...)                                                \
+    do {                                                                             \
+        if (C10_UNLIKELY(!(cond)))                                                   \
+            ::comera_glue::raise_value_error(::comera_glue::str(__VA_ARGS__));       \
+    } while (0)
+#define COMERA_CHECK_INDEX(cond, ...)                                                \
+    do {                                                                             \
+        if (C10_UNLIKELY(!(cond)))                                                   \
+            ::comera_glue::raise_index_error(::comera_glue::str(__VA_ARGS__));       \
+    } while (0)
+#define COMERA_CHECK_TYPE(cond, ...)                                                 \
+    do {                                                                             \
+        if (C10_UNLIKELY(!(cond)))                                                   \
+            ::comera_glue::raise_type_error(::comera_glue::str(__VA_ARGS__));        \
+    } while (0)
+
+// ---- tensors
+
+inline bool is_cuda(const Device &d) { return d.type() == torch::headeronly::DeviceType::CUDA; }
+inline bool is_cpu(const Device &d) { return d.type() == torch::headeronly::DeviceType::CPU; }
+
+// Identities for the per-tensor checks, one or two shim calls each and no
+// enum translation (scalar_type() and device() translate the shim's codes
+// through a chain of calls): equal ids, equal dtype / device.
+inline int32_t dtype_id(const Tensor &t) {
+    int32_t v;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &v));
+    return v;
+}
+inline int64_t device_id(const Tensor &t) {
+    int32_t type, index;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type));
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(t.get(), &index));
+    return (static_cast<int64_t>(type) << 32) | static_cast<uint32_t>(index);
+}
+
+// Each of ts made contiguous in place (most already are: one shim call each).
+inline void make_contiguous(std::vector<Tensor> &ts) {
+    for (auto &t : ts)
+        if (!t.is_contiguous()) t = torch::stable::contiguous(t);
+}
+
+// t itself when already contiguous (one shim call), else a contiguous copy.
+inline Tensor as_contiguous(const Tensor &t) {
+    return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+
+inline std::vector<Tensor> contiguous_all(const std::vector<Tensor> &ts) {
+    std::vector<Tensor> out;
+    out.reserve(ts.size());
+    for (const auto &t : ts) out.push_back(as_contiguous(t));
     return out;
 }
 
 // Tables of data pointers for the C ABI (T = void for the CUDA launchers).
 template <typename T>
-std::vector<const T *> data_ptrs(const std::vector<at::Tensor> &ts) {
+std::vector<const T *> data_ptrs(const std::vector<Tensor> &ts) {
     std::vector<const T *> out;
+    out.reserve(ts.size());
     for (const auto &t : ts) out.push_back(static_cast<const T *>(t.data_ptr()));
     return out;
 }
 
 template <typename T>
-std::vector<T *> mutable_data_ptrs(std::vector<at::Tensor> &ts) {
+std::vector<T *> mutable_data_ptrs(const std::vector<Tensor> &ts) {
     std::vector<T *> out;
-    for (auto &t : ts) out.push_back(static_cast<T *>(t.data_ptr()));
+    out.reserve(ts.size());
+    for (const auto &t : ts) out.push_back(static_cast<T *>(t.data_ptr()));
     return out;
 }
 
-// Fresh tensors shaped like each of ts (gradient outputs).
-inline std::vector<at::Tensor> empty_like_all(const std::vector<at::Tensor> &ts) {
-    std::vector<at::Tensor> out;
-    for (const auto &t : ts) out.push_back(at::empty_like(t));
+template <typename T>
+T *ptr(const Tensor &t) {
+    return static_cast<T *>(t.data_ptr());
+}
+
+// aoti_torch_dtype_* code of a dtype (the stable C shim's numbering).
+inline int32_t shim_dtype(ScalarType t) {
+    switch (t) {
+        case ScalarType::Float: return aoti_torch_dtype_float32();
+        case ScalarType::Double: return aoti_torch_dtype_float64();
+        case ScalarType::BFloat16: return aoti_torch_dtype_bfloat16();
+        case ScalarType::Half: return aoti_torch_dtype_float16();
+        case ScalarType::Long: return aoti_torch_dtype_int64();
+        case ScalarType::Int: return aoti_torch_dtype_int32();
+        case ScalarType::Char: return aoti_torch_dtype_int8();
+        case ScalarType::Byte: return aoti_torch_dtype_uint8();
+        default: raise_runtime_error(str("comera: no output dtype ", t));
+    }
+}
+
+// A fresh contiguous tensor (an output) from torch's allocator, through the
+// stable C shim's aoti_torch_empty_strided: one direct call into
+// at::empty_strided.  (torch::stable::empty goes through the boxed
+// dispatcher by op name, a lookup and a stack per call: measurably slower
+// for one-row calls.)
+inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const Device &device) {
+    constexpr size_t kMaxDim = 8;
+    const size_t ndim = sizes.size();
+    COMERA_CHECK(ndim <= kMaxDim, "comera: outputs have at most ", kMaxDim, " dims");
+    int64_t strides[kMaxDim];
+    int64_t stride = 1;
+    for (size_t i = ndim; i-- > 0;) {
+        strides[i] = stride;
+        stride *= sizes[i] > 1 ? sizes[i] : 1;
+    }
+    AtenTensorHandle out = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+        static_cast<int64_t>(ndim), sizes.data(), strides, shim_dtype(dtype),
+        is_cuda(device) ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
+        is_cuda(device) ? static_cast<int32_t>(device.index()) : 0, &out));
+    return Tensor(out);
+}
+
+// Fresh tensors shaped like each of ts (gradient outputs; ts are contiguous).
+inline std::vector<Tensor> empty_like_all(const std::vector<Tensor> &ts) {
+    std::vector<Tensor> out;
+    out.reserve(ts.size());
+    for (const auto &t : ts) out.push_back(empty(t.sizes(), t.scalar_type(), t.device()));
     return out;
 }
+
+// Threads for the C kernels: torch's intra-op setting (torch.set_num_threads).
+inline int num_threads() { return static_cast<int>(torch::stable::get_num_threads()); }
 
 // COMERA_DT_* (comera/cuda.h) of a dtype, or -1 where the C ABI has none.
-inline int dtype_code(at::ScalarType t) {
+inline int dtype_code(ScalarType t) {
     switch (t) {
-        case at::kFloat: return 0;     // COMERA_DT_F32
-        case at::kDouble: return 1;    // COMERA_DT_F64
-        case at::kBFloat16: return 2;  // COMERA_DT_BF16
-        case at::kHalf: return 3;      // COMERA_DT_F16
+        case ScalarType::Float: return 0;     // COMERA_DT_F32
+        case ScalarType::Double: return 1;    // COMERA_DT_F64
+        case ScalarType::BFloat16: return 2;  // COMERA_DT_BF16
+        case ScalarType::Half: return 3;      // COMERA_DT_F16
         default: return -1;
     }
 }
+
+// ---- C status codes
 
 // How COMERA_ERR_ARG surfaces: tt_embedding documents its argument errors as
 // ValueError, the other ops raise RuntimeError.
@@ -67,17 +259,65 @@ void check_status(int rc, const char *op, Detail detail, ArgError arg = ArgError
     const std::string text = std::string(op) + ": " + comera_status_text(rc) + detail(rc);
     switch (rc) {
         case COMERA_ERR_OVERFLOW:
-        case COMERA_ERR_OFFSETS: TORCH_CHECK_VALUE(false, text);
-        case COMERA_ERR_INDEX: TORCH_CHECK_INDEX(false, text);
+        case COMERA_ERR_OFFSETS: raise_value_error(text);
+        case COMERA_ERR_INDEX: raise_index_error(text);
         case COMERA_ERR_ARG:
-            TORCH_CHECK_VALUE(arg != ArgError::Value, text);
-            TORCH_CHECK(false, text);
-        default: TORCH_CHECK(false, text);
+            if (arg == ArgError::Value) raise_value_error(text);
+            raise_runtime_error(text);
+        default: raise_runtime_error(text);
     }
 }
 
 inline void check_status(int rc, const char *op, ArgError arg = ArgError::Runtime) {
     check_status(rc, op, [](int) { return std::string(); }, arg);
 }
+
+#ifdef COMERA_WITH_CUDA
+// ---- CUDA: device guard, current stream, the extension's cuBLAS handles
+
+// Sets the current CUDA device to the tensors' for the call (a no-op holder
+// on the CPU).
+struct CudaGuard {
+    std::optional<torch::stable::accelerator::DeviceGuard> guard;
+    explicit CudaGuard(const Device &d) {
+        if (is_cuda(d)) guard.emplace(d.index());
+    }
+};
+
+// torch's current stream of a device, through the stable accelerator API.
+inline cudaStream_t current_stream(const Device &d) {
+    return static_cast<cudaStream_t>(
+        torch::stable::accelerator::getCurrentStream(d.index()).nativeHandle());
+}
+
+// One cuBLAS handle per (device, stream), owned by the extension: torch's
+// handle pool (at::cuda::getCurrentCUDABlasHandle) is not in the stable ABI.
+// A handle is created on the call's device (the guard is active), bound to
+// its stream once, and never reconfigured, so threads may share it (cuBLAS
+// is thread-safe for a handle whose configuration does not change).  Default
+// math mode: no TF32 (torch.backends.cuda.matmul.allow_tf32 does not reach
+// these handles).  Handles live for the process (as torch's do).
+inline cublasHandle_t cublas_handle(const Device &d, cudaStream_t stream) {
+    static std::mutex mu;
+    static std::map<std::pair<int, cudaStream_t>, cublasHandle_t> *handles =
+        new std::map<std::pair<int, cudaStream_t>, cublasHandle_t>();
+    const std::pair<int, cudaStream_t> key(static_cast<int>(d.index()), stream);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = handles->find(key);
+    if (it != handles->end()) return it->second;
+    cublasHandle_t h = nullptr;
+    cublasStatus_t st = cublasCreate(&h);
+    COMERA_CHECK(st == CUBLAS_STATUS_SUCCESS, "comera: cublasCreate failed with status ",
+                 static_cast<int>(st), " on ", device_name(d));
+    st = cublasSetStream(h, stream);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        cublasDestroy(h);
+        raise_runtime_error(str("comera: cublasSetStream failed with status ",
+                                static_cast<int>(st)));
+    }
+    handles->emplace(key, h);
+    return h;
+}
+#endif
 
 }  // namespace comera_glue

@@ -2,7 +2,8 @@
 // section 3).  This folder holds the whole op: plan.c (checks, shape, index
 // grouping, planner, prepare), cpu.c (the C kernels, generic text in
 // cpu_impl.h), cuda.cu + cuda_bwd.cu + cuda.cuh (the CUDA launchers), and
-// this file, the torch glue for every device.
+// this file, the torch glue for every device, on the LibTorch stable ABI
+// (common/glue.h).
 //
 // Each op call: check the cores, gates and batch tensors and prepare the
 // table once (prepare_embedding), allocate the output, then call the kernel
@@ -12,21 +13,16 @@
 // and would break CUDA graph capture): the Python wrapper checks them unless
 // the layer is capturable; comera/cuda.h says what the kernels do with bad
 // ones.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/core/DeviceGuard.h>
-#include <torch/library.h>
-
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "comera/tt_embedding.h"
 #include "common/glue.h"
 
 #ifdef COMERA_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-
 #include "comera/cuda.h"
 #endif
 
@@ -34,47 +30,50 @@ namespace {
 
 using namespace comera_glue;
 
+const Device kCpu(torch::headeronly::DeviceType::CPU);
+
 // ---- the index batch, checked the same way on every device
 
 // Keeps the converted index and offset tensors alive.
 struct EmbeddingBatch {
-    at::Tensor indices, offsets;
+    std::optional<Tensor> indices, offsets;
     comera_tt_embedding_batch b{};
     int64_t output_rows() const { return b.mode == COMERA_EMB_PLAIN ? b.n : b.num_bags; }
 };
 
-inline at::Tensor as_int64(const char *op, const char *name, const at::Tensor &t,
-                           const at::Device &device) {
-    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, op, ": ", name,
-                     " must be an int64 or int32 tensor, got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D, got ", t.dim(), "-D");
-    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(),
-                      " but the cores are on ", device);
-    return t.to(at::kLong).contiguous();
+inline Tensor as_int64(const char *op, const char *name, const Tensor &t, const Device &device) {
+    const ScalarType dtype = t.scalar_type();
+    COMERA_CHECK_TYPE(dtype == ScalarType::Long || dtype == ScalarType::Int, op, ": ", name,
+                      " must be an int64 or int32 tensor, got ", dtype);
+    COMERA_CHECK_VALUE(t.dim() == 1, op, ": ", name, " must be 1-D, got ", t.dim(), "-D");
+    const Device td = t.device();
+    COMERA_CHECK_VALUE(td == device, op, ": ", name, " is on ", device_name(td),
+                       " but the cores are on ", device_name(device));
+    return as_contiguous(dtype == ScalarType::Long ? t : torch::stable::to(t, ScalarType::Long));
 }
 
 // Mode, index and offset tensors (dtype, shape, device); the values are
 // checked where they can be read (comera_tt_embedding_check_batch on the CPU).
-inline EmbeddingBatch make_embedding_batch(const char *op, const at::Tensor &indices,
-                                           const std::optional<at::Tensor> &offsets,
-                                           int64_t mode, const at::Device &device) {
-    TORCH_CHECK_VALUE(mode >= COMERA_EMB_PLAIN && mode <= COMERA_EMB_MEAN, op,
-                      ": mode must be 0 (plain), 1 (sum) or 2 (mean), got ", mode);
+inline EmbeddingBatch make_embedding_batch(const char *op, const Tensor &indices,
+                                           const std::optional<Tensor> &offsets, int64_t mode,
+                                           const Device &device) {
+    COMERA_CHECK_VALUE(mode >= COMERA_EMB_PLAIN && mode <= COMERA_EMB_MEAN, op,
+                       ": mode must be 0 (plain), 1 (sum) or 2 (mean), got ", mode);
     EmbeddingBatch out;
     out.indices = as_int64(op, "indices", indices, device);
     out.b.mode = static_cast<int32_t>(mode);
-    out.b.n = out.indices.numel();
-    out.b.indices = out.indices.data_ptr<int64_t>();
+    out.b.n = out.indices->numel();
+    out.b.indices = ptr<int64_t>(*out.indices);
     if (mode == COMERA_EMB_PLAIN) {
-        TORCH_CHECK_VALUE(!offsets.has_value(), op, ": offsets are only valid in bag modes");
+        COMERA_CHECK_VALUE(!offsets.has_value(), op, ": offsets are only valid in bag modes");
         return out;
     }
-    TORCH_CHECK_VALUE(offsets.has_value(), op, ": bag modes need offsets");
+    COMERA_CHECK_VALUE(offsets.has_value(), op, ": bag modes need offsets");
     out.offsets = as_int64(op, "offsets", *offsets, device);
-    TORCH_CHECK_VALUE(out.offsets.numel() >= 1, op,
-                      ": offsets must have num_bags + 1 >= 1 entries, got none");
-    out.b.num_bags = out.offsets.numel() - 1;
-    out.b.offsets = out.offsets.data_ptr<int64_t>();
+    COMERA_CHECK_VALUE(out.offsets->numel() >= 1, op,
+                       ": offsets must have num_bags + 1 >= 1 entries, got none");
+    out.b.num_bags = out.offsets->numel() - 1;
+    out.b.offsets = ptr<int64_t>(*out.offsets);
     return out;
 }
 
@@ -82,87 +81,90 @@ inline EmbeddingBatch make_embedding_batch(const char *op, const at::Tensor &ind
 inline std::string batch_error_detail(int rc, const EmbeddingBatch &batch, int64_t bad,
                                       int64_t num_embeddings) {
     if (rc == COMERA_ERR_INDEX)
-        return c10::str(": index ", batch.b.indices[bad], " at position ", bad,
-                        " is out of range for num_embeddings=", num_embeddings,
-                        " (expected 0 <= index < ", num_embeddings, ")");
+        return str(": index ", batch.b.indices[bad], " at position ", bad,
+                   " is out of range for num_embeddings=", num_embeddings,
+                   " (expected 0 <= index < ", num_embeddings, ")");
     if (rc == COMERA_ERR_OFFSETS)
-        return c10::str(": offsets[", bad, "] = ", batch.b.offsets[bad],
-                        " is invalid: offsets must start at 0, never decrease, and the last "
-                        "one must equal the number of indices (", batch.b.n, ")");
+        return str(": offsets[", bad, "] = ", batch.b.offsets[bad],
+                   " is invalid: offsets must start at 0, never decrease, and the last "
+                   "one must equal the number of indices (", batch.b.n, ")");
     return "";
 }
 
-inline at::Tensor check_per_sample_weights(const char *op, const std::optional<at::Tensor> &psw,
-                                           const EmbeddingBatch &batch, at::ScalarType dtype,
-                                           const at::Device &device) {
-    if (!psw.has_value()) return at::Tensor();
-    TORCH_CHECK_VALUE(batch.b.mode == COMERA_EMB_SUM, op,
-                      ": per_sample_weights are only supported with mode 1 (sum), as in "
-                      "nn.EmbeddingBag; got mode ", batch.b.mode);
-    TORCH_CHECK_VALUE(psw->dim() == 1 && psw->size(0) == batch.b.n, op,
-                      ": per_sample_weights must have shape (", batch.b.n, ",), got ",
-                      psw->sizes());
-    TORCH_CHECK_TYPE(psw->scalar_type() == dtype, op, ": per_sample_weights must be ", dtype,
-                     ", got ", psw->scalar_type());
-    TORCH_CHECK_VALUE(psw->device() == device, op, ": per_sample_weights is on ", psw->device(),
-                      " but the cores are on ", device);
-    return psw->contiguous();
+inline std::optional<Tensor> check_per_sample_weights(const char *op,
+                                                      const std::optional<Tensor> &psw,
+                                                      const EmbeddingBatch &batch,
+                                                      ScalarType dtype, const Device &device) {
+    if (!psw.has_value()) return std::nullopt;
+    COMERA_CHECK_VALUE(batch.b.mode == COMERA_EMB_SUM, op,
+                       ": per_sample_weights are only supported with mode 1 (sum), as in "
+                       "nn.EmbeddingBag; got mode ", batch.b.mode);
+    COMERA_CHECK_VALUE(psw->dim() == 1 && psw->size(0) == batch.b.n, op,
+                       ": per_sample_weights must have shape (", batch.b.n, ",), got ",
+                       shape_text(*psw));
+    COMERA_CHECK_TYPE(psw->scalar_type() == dtype, op, ": per_sample_weights must be ", dtype,
+                      ", got ", psw->scalar_type());
+    const Device pd = psw->device();
+    COMERA_CHECK_VALUE(pd == device, op, ": per_sample_weights is on ", device_name(pd),
+                       " but the cores are on ", device_name(device));
+    return as_contiguous(*psw);
 }
 
 // float32/float64 on the CPU; CUDA also takes bfloat16 and float16.
-void check_dtype(at::ScalarType dtype, const at::Device &device, const char *op) {
-    if (device.is_cuda()) {
-        TORCH_CHECK_TYPE(dtype_code(dtype) >= 0, op,
-                         ": cores must be float32, float64, bfloat16 or float16 on CUDA, got ",
-                         dtype);
+void check_dtype(ScalarType dtype, const Device &device, const char *op) {
+    if (is_cuda(device)) {
+        COMERA_CHECK_TYPE(dtype_code(dtype) >= 0, op,
+                          ": cores must be float32, float64, bfloat16 or float16 on CUDA, got ",
+                          dtype);
         return;
     }
-    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble, op,
-                     ": cores must be float32 or float64, got ", dtype);
+    COMERA_CHECK_TYPE(dtype == ScalarType::Float || dtype == ScalarType::Double, op,
+                      ": cores must be float32 or float64, got ", dtype);
 }
 
 // One prepared call: contiguous cores and gates, the descriptor's arrays,
-// the prep, the batch and the per-sample weights (undefined when absent).
+// the prep, the batch and the per-sample weights (empty when absent).
 struct EmbeddingCall {
-    std::vector<at::Tensor> cores, gates;
+    std::vector<Tensor> cores, gates;
     std::vector<int64_t> row_modes, dim_modes, ranks;
     comera_tt_embedding_desc d{};
     comera_tt_embedding_prep prep{};
     EmbeddingBatch batch;
-    at::Tensor psw;
-    at::ScalarType dtype() const { return cores[0].scalar_type(); }
-    at::Device device() const { return cores[0].device(); }
+    std::optional<Tensor> psw;
+    ScalarType dtype = ScalarType::Float;
+    Device device = kCpu;
 };
 
 inline void describe_cores(const char *op, EmbeddingCall &c) {
     int64_t D = static_cast<int64_t>(c.cores.size());
-    const auto dtype = c.dtype();
-    const auto device = c.device();
+    const auto dtype = c.dtype;
+    const auto &device = c.device;
     c.ranks.push_back(1);
     for (int64_t k = 0; k < D; k++) {
-        const at::Tensor &core = c.cores[k];
-        TORCH_CHECK_VALUE(core.dim() == 4, op, ": core ", k,
-                          " must be 4-D (rank, row mode, dim mode, rank), got ", core.dim(), "-D");
-        TORCH_CHECK_VALUE(core.size(0) == c.ranks.back(), op, ": core ", k, " has left rank ",
-                          core.size(0), ", expected ", c.ranks.back());
-        TORCH_CHECK_TYPE(core.scalar_type() == dtype, op, ": core ", k, " has dtype ",
-                         core.scalar_type(), ", expected ", dtype);
-        TORCH_CHECK_VALUE(core.device() == device, op, ": core ", k, " is on ", core.device(),
-                          ", expected ", device);
+        const Tensor &core = c.cores[k];
+        COMERA_CHECK_VALUE(core.dim() == 4, op, ": core ", k,
+                           " must be 4-D (rank, row mode, dim mode, rank), got ", core.dim(),
+                           "-D");
+        COMERA_CHECK_VALUE(core.size(0) == c.ranks.back(), op, ": core ", k, " has left rank ",
+                           core.size(0), ", expected ", c.ranks.back());
+        COMERA_CHECK_TYPE(core.scalar_type() == dtype, op, ": core ", k, " has dtype ",
+                          core.scalar_type(), ", expected ", dtype);
+        COMERA_CHECK_VALUE(core.device() == device, op, ": core ", k, " is on ",
+                           device_name(core.device()), ", expected ", device_name(device));
         c.row_modes.push_back(core.size(1));
         c.dim_modes.push_back(core.size(2));
         c.ranks.push_back(core.size(3));
         if (k == D - 1) continue;
-        const at::Tensor &g = c.gates[k];
-        TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == core.size(3), op, ": gate ", k,
-                          " must have shape (", core.size(3), ",), got ", g.sizes());
-        TORCH_CHECK_TYPE(g.scalar_type() == dtype, op, ": gate ", k, " has dtype ",
-                         g.scalar_type(), ", expected ", dtype);
-        TORCH_CHECK_VALUE(g.device() == device, op, ": gate ", k, " is on ", g.device(),
-                          ", expected ", device);
+        const Tensor &g = c.gates[k];
+        COMERA_CHECK_VALUE(g.dim() == 1 && g.size(0) == core.size(3), op, ": gate ", k,
+                           " must have shape (", core.size(3), ",), got ", shape_text(g));
+        COMERA_CHECK_TYPE(g.scalar_type() == dtype, op, ": gate ", k, " has dtype ",
+                          g.scalar_type(), ", expected ", dtype);
+        COMERA_CHECK_VALUE(g.device() == device, op, ": gate ", k, " is on ",
+                           device_name(g.device()), ", expected ", device_name(device));
     }
-    TORCH_CHECK_VALUE(c.ranks.back() == 1, op, ": the last core must have right rank 1, got ",
-                      c.ranks.back());
+    COMERA_CHECK_VALUE(c.ranks.back() == 1, op,
+                       ": the last core must have right rank 1, got ", c.ranks.back());
 }
 
 // Fills c.d from the mode and rank arrays of c.
@@ -179,14 +181,14 @@ inline void fill_embedding_desc(EmbeddingCall &c, int64_t num_embeddings, int64_
 
 // comera_tt_embedding_prepare, with the descriptor in the error message.
 inline void prepare_table(const char *op, EmbeddingCall &c, int64_t reuse) {
-    TORCH_CHECK_VALUE(reuse >= COMERA_REUSE_AUTO && reuse <= COMERA_REUSE_PREFIX, op,
-                      ": reuse must be 0 (auto), 1 (none), 2 (dedup) or 3 (prefix), got ", reuse);
+    COMERA_CHECK_VALUE(reuse >= COMERA_REUSE_AUTO && reuse <= COMERA_REUSE_PREFIX, op,
+                       ": reuse must be 0 (auto), 1 (none), 2 (dedup) or 3 (prefix), got ",
+                       reuse);
     int rc = comera_tt_embedding_prepare(&c.d, static_cast<int>(reuse), &c.prep);
     check_status(rc, op, [&](int) {
-        return c10::str(" (num_embeddings ", c.d.num_embeddings, ", embedding_dim ",
-                        c.d.embedding_dim, ", padding_idx ", c.d.padding_idx, ", row modes ",
-                        at::IntArrayRef(c.row_modes), ", dim modes ",
-                        at::IntArrayRef(c.dim_modes), ")");
+        return str(" (num_embeddings ", c.d.num_embeddings, ", embedding_dim ",
+                   c.d.embedding_dim, ", padding_idx ", c.d.padding_idx, ", row modes ",
+                   list_text(c.row_modes), ", dim modes ", list_text(c.dim_modes), ")");
     }, ArgError::Value);
 }
 
@@ -200,186 +202,194 @@ void check_batch_values(const char *op, const EmbeddingCall &c) {
 }
 
 // Everything for one call; on the CPU the index and offset values too.
-inline EmbeddingCall prepare_embedding(const char *op, at::TensorList cores, at::TensorList gates,
-                                       int64_t num_embeddings, int64_t embedding_dim,
-                                       int64_t padding_idx, int64_t reuse,
-                                       const at::Tensor &indices,
-                                       const std::optional<at::Tensor> &offsets, int64_t mode,
-                                       const std::optional<at::Tensor> &psw) {
+inline EmbeddingCall prepare_embedding(const char *op, const std::vector<Tensor> &cores,
+                                       const std::vector<Tensor> &gates, int64_t num_embeddings,
+                                       int64_t embedding_dim, int64_t padding_idx, int64_t reuse,
+                                       const Tensor &indices,
+                                       const std::optional<Tensor> &offsets, int64_t mode,
+                                       const std::optional<Tensor> &psw) {
     int64_t D = static_cast<int64_t>(cores.size());
-    TORCH_CHECK_VALUE(D >= 2 && D <= COMERA_MAX_CORES, op, ": expected 2 to ", COMERA_MAX_CORES,
-                      " cores, got ", D);
-    TORCH_CHECK_VALUE(static_cast<int64_t>(gates.size()) == D - 1, op, ": expected ", D - 1,
-                      " gates, got ", gates.size());
+    COMERA_CHECK_VALUE(D >= 2 && D <= COMERA_MAX_CORES, op, ": expected 2 to ",
+                       COMERA_MAX_CORES, " cores, got ", D);
+    COMERA_CHECK_VALUE(static_cast<int64_t>(gates.size()) == D - 1, op, ": expected ", D - 1,
+                       " gates, got ", gates.size());
     EmbeddingCall c;
     c.cores = contiguous_all(cores);
     c.gates = contiguous_all(gates);
-    check_dtype(c.dtype(), c.device(), op);
+    c.dtype = c.cores[0].scalar_type();
+    c.device = c.cores[0].device();
+    check_dtype(c.dtype, c.device, op);
     describe_cores(op, c);
     fill_embedding_desc(c, num_embeddings, embedding_dim, padding_idx);
     prepare_table(op, c, reuse);
-    c.batch = make_embedding_batch(op, indices, offsets, mode, c.device());
-    c.psw = check_per_sample_weights(op, psw, c.batch, c.dtype(), c.device());
-    if (c.device().is_cpu()) check_batch_values(op, c);
+    c.batch = make_embedding_batch(op, indices, offsets, mode, c.device);
+    c.psw = check_per_sample_weights(op, psw, c.batch, c.dtype, c.device);
+    if (is_cpu(c.device)) check_batch_values(op, c);
     return c;
 }
 
 // grad_out of the backward, against the call's output shape.
-inline at::Tensor check_grad_out(const char *op, const EmbeddingCall &c, const at::Tensor &grad) {
+inline Tensor check_grad_out(const char *op, const EmbeddingCall &c, const Tensor &grad) {
     int64_t rows = c.batch.output_rows(), dim = c.d.embedding_dim;
-    TORCH_CHECK_VALUE(grad.dim() == 2 && grad.size(0) == rows && grad.size(1) == dim, op,
-                      ": grad_out must have shape (", rows, ", ", dim, "), got ", grad.sizes());
-    TORCH_CHECK_TYPE(grad.scalar_type() == c.dtype(), op, ": grad_out must be ", c.dtype(),
-                     ", got ", grad.scalar_type());
-    TORCH_CHECK_VALUE(grad.device() == c.device(), op, ": grad_out is on ", grad.device(),
-                      " but the cores are on ", c.device());
-    return grad.contiguous();
+    COMERA_CHECK_VALUE(grad.dim() == 2 && grad.size(0) == rows && grad.size(1) == dim, op,
+                       ": grad_out must have shape (", rows, ", ", dim, "), got ",
+                       shape_text(grad));
+    COMERA_CHECK_TYPE(grad.scalar_type() == c.dtype, op, ": grad_out must be ", c.dtype,
+                      ", got ", grad.scalar_type());
+    const Device gd = grad.device();
+    COMERA_CHECK_VALUE(gd == c.device, op, ": grad_out is on ", device_name(gd),
+                       " but the cores are on ", device_name(c.device));
+    return as_contiguous(grad);
 }
 
 // ---- CPU kernels (cpu.c)
 
 template <typename T>
-int forward_cpu(const EmbeddingCall &c, at::Tensor &out) {
+int forward_cpu(const EmbeddingCall &c, const Tensor &out) {
     auto cores = data_ptrs<T>(c.cores), gates = data_ptrs<T>(c.gates);
-    const T *psw = c.psw.defined() ? c.psw.data_ptr<T>() : nullptr;
-    int nt = at::get_num_threads();
+    const T *psw = c.psw ? ptr<T>(*c.psw) : nullptr;
+    int nt = num_threads();
     if constexpr (std::is_same_v<T, float>)
         return comera_tt_embedding_fwd_f32(&c.prep, &c.batch.b, psw, cores.data(), gates.data(),
-                                           out.data_ptr<T>(), nt);
+                                           ptr<T>(out), nt);
     else
         return comera_tt_embedding_fwd_f64(&c.prep, &c.batch.b, psw, cores.data(), gates.data(),
-                                           out.data_ptr<T>(), nt);
+                                           ptr<T>(out), nt);
 }
 
 template <typename T>
-int backward_cpu(const EmbeddingCall &c, const at::Tensor &grad, std::vector<at::Tensor> &gcores,
-             std::vector<at::Tensor> &ggates) {
+int backward_cpu(const EmbeddingCall &c, const Tensor &grad, const std::vector<Tensor> &gcores,
+                 const std::vector<Tensor> &ggates) {
     auto cores = data_ptrs<T>(c.cores), gates = data_ptrs<T>(c.gates);
     auto dc = mutable_data_ptrs<T>(gcores), dg = mutable_data_ptrs<T>(ggates);
-    const T *psw = c.psw.defined() ? c.psw.data_ptr<T>() : nullptr;
-    int nt = at::get_num_threads();
+    const T *psw = c.psw ? ptr<T>(*c.psw) : nullptr;
+    int nt = num_threads();
     if constexpr (std::is_same_v<T, float>)
-        return comera_tt_embedding_bwd_f32(&c.prep, &c.batch.b, psw, grad.data_ptr<T>(),
-                                           cores.data(), gates.data(), dc.data(), dg.data(), nt);
+        return comera_tt_embedding_bwd_f32(&c.prep, &c.batch.b, psw, ptr<T>(grad), cores.data(),
+                                           gates.data(), dc.data(), dg.data(), nt);
     else
-        return comera_tt_embedding_bwd_f64(&c.prep, &c.batch.b, psw, grad.data_ptr<T>(),
-                                           cores.data(), gates.data(), dc.data(), dg.data(), nt);
+        return comera_tt_embedding_bwd_f64(&c.prep, &c.batch.b, psw, ptr<T>(grad), cores.data(),
+                                           gates.data(), dc.data(), dg.data(), nt);
 }
 
 // ---- CUDA launchers (cuda.cu, cuda_bwd.cu)
 
 #ifdef COMERA_WITH_CUDA
-at::Tensor cuda_workspace(const char *op, const EmbeddingCall &c, int backward) {
+Tensor cuda_workspace(const char *op, const EmbeddingCall &c, int backward) {
     size_t bytes = 0;
-    int rc = comera_tt_embedding_cuda_workspace(&c.prep, &c.batch.b, dtype_code(c.dtype()),
+    int rc = comera_tt_embedding_cuda_workspace(&c.prep, &c.batch.b, dtype_code(c.dtype),
                                                 backward, &bytes);
     check_status(rc, op);
-    return at::empty({static_cast<int64_t>(bytes)},
-                     at::TensorOptions().dtype(at::kByte).device(c.device()));
+    return empty({static_cast<int64_t>(bytes)}, ScalarType::Byte, c.device);
 }
 
-int forward_cuda(const char *op, const EmbeddingCall &c, at::Tensor &out) {
-    at::Tensor ws = cuda_workspace(op, c, 0);
+int forward_cuda(const char *op, const EmbeddingCall &c, const Tensor &out) {
+    Tensor ws = cuda_workspace(op, c, 0);
     auto cp = data_ptrs<void>(c.cores), gp = data_ptrs<void>(c.gates);
-    return comera_tt_embedding_fwd_cuda(&c.prep, &c.batch.b, dtype_code(c.dtype()),
-                                        c.psw.defined() ? c.psw.data_ptr() : nullptr, cp.data(),
+    return comera_tt_embedding_fwd_cuda(&c.prep, &c.batch.b, dtype_code(c.dtype),
+                                        c.psw ? c.psw->data_ptr() : nullptr, cp.data(),
                                         gp.data(), out.data_ptr(), ws.data_ptr(),
                                         static_cast<size_t>(ws.numel()),
-                                        at::cuda::getCurrentCUDAStream());
+                                        current_stream(c.device));
 }
 
-int backward_cuda(const char *op, const EmbeddingCall &c, const at::Tensor &grad,
-                  std::vector<at::Tensor> &gcores, std::vector<at::Tensor> &ggates) {
-    at::Tensor ws = cuda_workspace(op, c, 1);
+int backward_cuda(const char *op, const EmbeddingCall &c, const Tensor &grad,
+                  const std::vector<Tensor> &gcores, const std::vector<Tensor> &ggates) {
+    Tensor ws = cuda_workspace(op, c, 1);
     auto cp = data_ptrs<void>(c.cores), gp = data_ptrs<void>(c.gates);
     auto dc = mutable_data_ptrs<void>(gcores), dg = mutable_data_ptrs<void>(ggates);
-    return comera_tt_embedding_bwd_cuda(&c.prep, &c.batch.b, dtype_code(c.dtype()),
-                                        c.psw.defined() ? c.psw.data_ptr() : nullptr,
-                                        grad.data_ptr(), cp.data(), gp.data(), dc.data(),
-                                        dg.data(), ws.data_ptr(), static_cast<size_t>(ws.numel()),
-                                        at::cuda::getCurrentCUDAStream());
+    return comera_tt_embedding_bwd_cuda(&c.prep, &c.batch.b, dtype_code(c.dtype),
+                                        c.psw ? c.psw->data_ptr() : nullptr, grad.data_ptr(),
+                                        cp.data(), gp.data(), dc.data(), dg.data(),
+                                        ws.data_ptr(), static_cast<size_t>(ws.numel()),
+                                        current_stream(c.device));
 }
 #endif
 
 // ---- the ops
 
 // The device of the call: the cores' (checked non-empty before the guard).
-at::Device call_device(const char *op, at::TensorList cores) {
-    TORCH_CHECK_VALUE(!cores.empty(), op, ": expected at least 2 cores, got none");
+Device call_device(const char *op, const std::vector<Tensor> &cores) {
+    COMERA_CHECK_VALUE(!cores.empty(), op, ": expected at least 2 cores, got none");
     return cores[0].device();
 }
 
-at::Tensor tt_embedding(const at::Tensor &indices, const std::optional<at::Tensor> &offsets,
-                        const std::optional<at::Tensor> &psw, at::TensorList cores,
-                        at::TensorList gates, int64_t num_embeddings, int64_t embedding_dim,
-                        int64_t padding_idx, int64_t mode, int64_t reuse) {
+Tensor tt_embedding(Tensor indices, std::optional<Tensor> offsets, std::optional<Tensor> psw,
+                    std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
+                    int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding";
-    c10::OptionalDeviceGuard guard(call_device(op, cores));
+    const Device device = call_device(op, cores);
+#ifdef COMERA_WITH_CUDA
+    CudaGuard guard(device);
+#endif
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
-    at::Tensor out = at::empty({c.batch.output_rows(), embedding_dim}, c.cores[0].options());
+    Tensor out = empty({c.batch.output_rows(), embedding_dim}, c.dtype, device);
     int rc;
 #ifdef COMERA_WITH_CUDA
-    if (c.device().is_cuda())
+    if (is_cuda(device))
         rc = forward_cuda(op, c, out);
     else
 #endif
-        rc = c.dtype() == at::kFloat ? forward_cpu<float>(c, out) : forward_cpu<double>(c, out);
+        rc = c.dtype == ScalarType::Float ? forward_cpu<float>(c, out)
+                                          : forward_cpu<double>(c, out);
     check_status(rc, op);
     return out;
 }
 
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> tt_embedding_backward(
-    const at::Tensor &grad_out, const at::Tensor &indices, const std::optional<at::Tensor> &offsets,
-    const std::optional<at::Tensor> &psw, at::TensorList cores, at::TensorList gates,
-    int64_t num_embeddings, int64_t embedding_dim, int64_t padding_idx, int64_t mode,
-    int64_t reuse) {
+std::tuple<std::vector<Tensor>, std::vector<Tensor>> tt_embedding_backward(
+    Tensor grad_out, Tensor indices, std::optional<Tensor> offsets, std::optional<Tensor> psw,
+    std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
+    int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding_backward";
-    c10::OptionalDeviceGuard guard(call_device(op, cores));
+    const Device device = call_device(op, cores);
+#ifdef COMERA_WITH_CUDA
+    CudaGuard guard(device);
+#endif
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
-    at::Tensor grad = check_grad_out(op, c, grad_out);
-    std::vector<at::Tensor> gcores = empty_like_all(c.cores), ggates = empty_like_all(c.gates);
+    Tensor grad = check_grad_out(op, c, grad_out);
+    std::vector<Tensor> gcores = empty_like_all(c.cores), ggates = empty_like_all(c.gates);
     int rc;
 #ifdef COMERA_WITH_CUDA
-    if (c.device().is_cuda())
+    if (is_cuda(device))
         rc = backward_cuda(op, c, grad, gcores, ggates);
     else
 #endif
-        rc = c.dtype() == at::kFloat ? backward_cpu<float>(c, grad, gcores, ggates)
-                                     : backward_cpu<double>(c, grad, gcores, ggates);
+        rc = c.dtype == ScalarType::Float ? backward_cpu<float>(c, grad, gcores, ggates)
+                                          : backward_cpu<double>(c, grad, gcores, ggates);
     check_status(rc, op);
     return {gcores, ggates};
 }
 
 // An inspection op that returns host numbers: device indices are copied to
 // the CPU and planned there.
-at::Tensor tt_embedding_plan(const at::Tensor &indices_in,
-                             const std::optional<at::Tensor> &offsets_in,
-                                 at::IntArrayRef row_modes, at::IntArrayRef dim_modes,
-                                 at::IntArrayRef ranks, int64_t num_embeddings,
-                                 int64_t embedding_dim, int64_t padding_idx, int64_t mode) {
+Tensor tt_embedding_plan(Tensor indices_in, std::optional<Tensor> offsets_in,
+                         std::vector<int64_t> row_modes, std::vector<int64_t> dim_modes,
+                         std::vector<int64_t> ranks, int64_t num_embeddings,
+                         int64_t embedding_dim, int64_t padding_idx, int64_t mode) {
     const char *op = "comera::tt_embedding_plan";
-    const at::Tensor indices = indices_in.cpu();
-    std::optional<at::Tensor> offsets;
-    if (offsets_in.has_value()) offsets = offsets_in->cpu();
+    auto on_cpu = [](const Tensor &t) { return t.is_cpu() ? t : torch::stable::to(t, kCpu); };
+    const Tensor indices = on_cpu(indices_in);
+    std::optional<Tensor> offsets;
+    if (offsets_in.has_value()) offsets = on_cpu(*offsets_in);
     int64_t D = static_cast<int64_t>(row_modes.size());
-    TORCH_CHECK_VALUE(static_cast<int64_t>(dim_modes.size()) == D &&
-                          static_cast<int64_t>(ranks.size()) == D + 1,
-                      op, ": need as many dim modes as row modes and one more rank");
+    COMERA_CHECK_VALUE(static_cast<int64_t>(dim_modes.size()) == D &&
+                           static_cast<int64_t>(ranks.size()) == D + 1,
+                       op, ": need as many dim modes as row modes and one more rank");
     EmbeddingCall c;
-    c.row_modes.assign(row_modes.begin(), row_modes.end());
-    c.dim_modes.assign(dim_modes.begin(), dim_modes.end());
-    c.ranks.assign(ranks.begin(), ranks.end());
+    c.row_modes = std::move(row_modes);
+    c.dim_modes = std::move(dim_modes);
+    c.ranks = std::move(ranks);
     fill_embedding_desc(c, num_embeddings, embedding_dim, padding_idx);
     prepare_table(op, c, COMERA_REUSE_AUTO);
-    c.batch = make_embedding_batch(op, indices, offsets, mode, at::Device(at::kCPU));
+    c.batch = make_embedding_batch(op, indices, offsets, mode, kCpu);
     check_batch_values(op, c);
     comera_tt_embedding_plan plan;
     check_status(comera_tt_embedding_make_plan(&c.d, &c.batch.b, &plan), op);
     // [reuse, rows, unique, flops x3 (none, dedup, prefix), seconds x3, prefixes x D]
-    at::Tensor out = at::empty({9 + D}, at::TensorOptions().dtype(at::kDouble));
-    double *o = out.data_ptr<double>();
+    Tensor out = empty({9 + D}, ScalarType::Double, kCpu);
+    double *o = ptr<double>(out);
     o[0] = plan.reuse;
     o[1] = static_cast<double>(plan.rows);
     o[2] = static_cast<double>(plan.unique);
@@ -393,16 +403,16 @@ at::Tensor tt_embedding_plan(const at::Tensor &indices_in,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(comera, CPU, m) {
-    m.impl("tt_embedding", &tt_embedding);
-    m.impl("tt_embedding_backward", &tt_embedding_backward);
-    m.impl("tt_embedding_plan", &tt_embedding_plan);
+STABLE_TORCH_LIBRARY_IMPL(comera, CPU, m) {
+    m.impl("tt_embedding", TORCH_BOX(&tt_embedding));
+    m.impl("tt_embedding_backward", TORCH_BOX(&tt_embedding_backward));
+    m.impl("tt_embedding_plan", TORCH_BOX(&tt_embedding_plan));
 }
 
 #ifdef COMERA_WITH_CUDA
-TORCH_LIBRARY_IMPL(comera, CUDA, m) {
-    m.impl("tt_embedding", &tt_embedding);
-    m.impl("tt_embedding_backward", &tt_embedding_backward);
-    m.impl("tt_embedding_plan", &tt_embedding_plan);
+STABLE_TORCH_LIBRARY_IMPL(comera, CUDA, m) {
+    m.impl("tt_embedding", TORCH_BOX(&tt_embedding));
+    m.impl("tt_embedding_backward", TORCH_BOX(&tt_embedding_backward));
+    m.impl("tt_embedding_plan", TORCH_BOX(&tt_embedding_plan));
 }
 #endif
