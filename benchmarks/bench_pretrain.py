@@ -22,7 +22,10 @@ REPO = os.path.dirname(HERE)
 
 # Issue 7: paper preset, same steps: compression >= 4.23x and >= 1.5x the dense
 # tokens/s; tiny preset at its default budget: validation loss within 5%.
-TARGETS = {"paper": {"compression_whole": 4.23, "speedup": 1.5}, "tiny": {"loss_within": 0.05}}
+# Issue 16, tiny preset: the converted layers' live-rank compression at least
+# doubles from the first to the last step, and the layers end with different ranks.
+TARGETS = {"paper": {"compression_whole": 4.23, "speedup": 1.5},
+           "tiny": {"loss_within": 0.05, "compression_growth": 2.0, "ranks_differ": True}}
 
 
 def run(preset: str, steps, out: str, extra) -> dict:
@@ -61,6 +64,16 @@ def entry(preset: str, metrics: dict) -> dict:
     if "loss_within" in t:
         checks[f"valid loss within {100 * t['loss_within']:.0f}% of dense"] = \
             abs(cmp_["valid_loss_relative_difference"]) <= t["loss_within"]
+    if "compression_growth" in t:
+        series = c["history"]["compression"]
+        growth = series[-1][1] / series[0][1]
+        e["comera"]["compression_first_last"] = [series[0][1], series[-1][1]]
+        checks[f"converted-layer compression x{t['compression_growth']:g} from first to last step "
+               f"({series[0][1]:.2f}x -> {series[-1][1]:.2f}x)"] = growth >= t["compression_growth"]
+    if t.get("ranks_differ"):
+        ranks = c["final_ranks"] or {}
+        distinct = len({tuple(v) for v in ranks.values()})
+        checks[f"layers end with different ranks ({distinct} distinct of {len(ranks)})"] = distinct > 1
     e["targets"] = checks
     return e
 
