@@ -318,6 +318,11 @@ inline cublasHandle_t cublas_handle(const Device &d, cudaStream_t stream) {
     handles->emplace(key, h);
     return h;
 }
+#else
+// A build without CUDA registers no CUDA kernels: nothing to guard.
+struct CudaGuard {
+    explicit CudaGuard(const Device &) {}
+};
 #endif
 
 }  // namespace comera_glue

@@ -304,6 +304,13 @@ int backward_cuda(const char *op, const EmbeddingCall &c, const Tensor &grad,
                                         ws.data_ptr(), static_cast<size_t>(ws.numel()),
                                         current_stream(c.device));
 }
+#else
+// A build without CUDA registers no CUDA kernels, so these are never reached.
+int forward_cuda(const char *, const EmbeddingCall &, const Tensor &) { return COMERA_ERR_ARG; }
+int backward_cuda(const char *, const EmbeddingCall &, const Tensor &, const std::vector<Tensor> &,
+                  const std::vector<Tensor> &) {
+    return COMERA_ERR_ARG;
+}
 #endif
 
 // ---- the ops
@@ -318,21 +325,13 @@ Tensor tt_embedding(Tensor indices, std::optional<Tensor> offsets, std::optional
                     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
                     int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding";
-    const Device device = call_device(op, cores);
-#ifdef COMERA_WITH_CUDA
-    CudaGuard guard(device);
-#endif
+    CudaGuard guard(call_device(op, cores));
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
-    Tensor out = empty({c.batch.output_rows(), embedding_dim}, c.dtype, device);
-    int rc;
-#ifdef COMERA_WITH_CUDA
-    if (is_cuda(device))
-        rc = forward_cuda(op, c, out);
-    else
-#endif
-        rc = c.dtype == ScalarType::Float ? forward_cpu<float>(c, out)
-                                          : forward_cpu<double>(c, out);
+    Tensor out = empty({c.batch.output_rows(), embedding_dim}, c.dtype, c.device);
+    int rc = is_cuda(c.device) ? forward_cuda(op, c, out)
+             : c.dtype == ScalarType::Float ? forward_cpu<float>(c, out)
+                                            : forward_cpu<double>(c, out);
     check_status(rc, op);
     return out;
 }
@@ -342,22 +341,14 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> tt_embedding_backward(
     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
     int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding_backward";
-    const Device device = call_device(op, cores);
-#ifdef COMERA_WITH_CUDA
-    CudaGuard guard(device);
-#endif
+    CudaGuard guard(call_device(op, cores));
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
     Tensor grad = check_grad_out(op, c, grad_out);
     std::vector<Tensor> gcores = empty_like_all(c.cores), ggates = empty_like_all(c.gates);
-    int rc;
-#ifdef COMERA_WITH_CUDA
-    if (is_cuda(device))
-        rc = backward_cuda(op, c, grad, gcores, ggates);
-    else
-#endif
-        rc = c.dtype == ScalarType::Float ? backward_cpu<float>(c, grad, gcores, ggates)
-                                          : backward_cpu<double>(c, grad, gcores, ggates);
+    int rc = is_cuda(c.device) ? backward_cuda(op, c, grad, gcores, ggates)
+             : c.dtype == ScalarType::Float ? backward_cpu<float>(c, grad, gcores, ggates)
+                                            : backward_cpu<double>(c, grad, gcores, ggates);
     check_status(rc, op);
     return {gcores, ggates};
 }

@@ -81,10 +81,23 @@ inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
     COMERA_CHECK(c.ranks.back() == 1, op, ": last core must have right rank 1");
 }
 
-// Checks x, the cores and gates and `path`, then prepares the call once.
+// float32/float64 on the CPU; CUDA also takes bfloat16 and float16.
+void check_dtype(const char *op, ScalarType dtype, const Device &device) {
+    if (is_cuda(device)) {
+        COMERA_CHECK(dtype_code(dtype) >= 0, op,
+                     ": x must be float32, float64, bfloat16 or float16 on CUDA, got ", dtype);
+        return;
+    }
+    COMERA_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, op,
+                 ": x must be float32 or float64, got ", dtype);
+}
+
+// Checks x (dtype for its device), the cores and gates and `path`, then
+// prepares the call once.
 inline LinearCall prepare_linear(const char *op, const Tensor &x, std::vector<Tensor> &&cores,
                                  std::vector<Tensor> &&gates, int64_t num_in,
                                  int64_t out_features, int64_t path) {
+    check_dtype(op, x.scalar_type(), x.device());
     COMERA_CHECK(x.dim() == 2, op, ": x must be 2-D, got ", x.dim(), "-D");
     COMERA_CHECK(path >= COMERA_PATH_AUTO && path <= COMERA_PATH_SEQUENTIAL, op,
                  ": path must be 0 (auto), 1 (merge) or 2 (sequential), got ", path);
@@ -139,17 +152,6 @@ inline LinearGrads empty_linear_grads(const LinearCall &c, bool has_bias, bool n
         empty_like_all(c.cores),
         empty_like_all(c.gates),
     };
-}
-
-// float32/float64 on the CPU; CUDA also takes bfloat16 and float16.
-void check_dtype(const char *op, ScalarType dtype, const Device &device) {
-    if (is_cuda(device)) {
-        COMERA_CHECK(dtype_code(dtype) >= 0, op,
-                     ": x must be float32, float64, bfloat16 or float16 on CUDA, got ", dtype);
-        return;
-    }
-    COMERA_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, op,
-                 ": x must be float32 or float64, got ", dtype);
 }
 
 // ---- CPU kernels (cpu.c)
@@ -223,6 +225,16 @@ int backward_cuda(const char *op, const LinearCall &c, const Tensor &gy, const T
         ws.data_ptr(), static_cast<size_t>(ws.numel()), cublas_handle(c.device, stream),
         stream);
 }
+#else
+// A build without CUDA registers no CUDA kernels, so these are never reached.
+int forward_cuda(const char *, const LinearCall &, const std::optional<Tensor> &, const Tensor &,
+                 const Tensor &) {
+    return COMERA_ERR_ARG;
+}
+int backward_cuda(const char *, const LinearCall &, const Tensor &, const Tensor &, LinearGrads &,
+                  bool, bool) {
+    return COMERA_ERR_ARG;
+}
 #endif
 
 // ---- the ops
@@ -231,26 +243,17 @@ std::tuple<Tensor, Tensor> tt_linear(Tensor x, std::vector<Tensor> cores,
                                      std::vector<Tensor> gates, std::optional<Tensor> bias_in,
                                      int64_t num_in, int64_t out_features, int64_t path) {
     const char *op = "comera::tt_linear";
-    const Device device = x.device();
-    check_dtype(op, x.scalar_type(), device);
-#ifdef COMERA_WITH_CUDA
-    CudaGuard guard(device);
-#endif
+    CudaGuard guard(x.device());
     LinearCall c = prepare_linear(op, x, std::move(cores), std::move(gates), num_in, out_features,
                                   path);
     std::optional<Tensor> bias = check_bias(op, c, bias_in);
     int64_t batch = c.x.size(0);
-    Tensor y = empty({batch, out_features}, c.dtype, device);
-    Tensor t = empty({batch, c.rmid()}, c.dtype, device);
+    Tensor y = empty({batch, out_features}, c.dtype, c.device);
+    Tensor t = empty({batch, c.rmid()}, c.dtype, c.device);
     if (batch == 0) return {y, t};
-    int rc;
-#ifdef COMERA_WITH_CUDA
-    if (is_cuda(device))
-        rc = forward_cuda(op, c, bias, y, t);
-    else
-#endif
-        rc = c.dtype == ScalarType::Float ? forward_cpu<float>(c, bias, y, t)
-                                          : forward_cpu<double>(c, bias, y, t);
+    int rc = is_cuda(c.device) ? forward_cuda(op, c, bias, y, t)
+             : c.dtype == ScalarType::Float ? forward_cpu<float>(c, bias, y, t)
+                                            : forward_cpu<double>(c, bias, y, t);
     check_status(rc, op);
     return {y, t};
 }
@@ -259,23 +262,14 @@ std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, Tensor> tt_linear_b
     Tensor grad_y, Tensor x, Tensor t_in, std::vector<Tensor> cores, std::vector<Tensor> gates,
     bool has_bias, bool needs_input_grad, int64_t num_in, int64_t out_features, int64_t path) {
     const char *op = "comera::tt_linear_backward";
-    const Device device = x.device();
-    check_dtype(op, x.scalar_type(), device);
-#ifdef COMERA_WITH_CUDA
-    CudaGuard guard(device);
-#endif
+    CudaGuard guard(x.device());
     LinearCall c = prepare_linear(op, x, std::move(cores), std::move(gates), num_in, out_features,
                                   path);
     Tensor gy = as_contiguous(grad_y), t = as_contiguous(t_in);
     check_backward_inputs(op, c, gy, t);
     LinearGrads g = empty_linear_grads(c, has_bias, needs_input_grad);
-    int rc;
-#ifdef COMERA_WITH_CUDA
-    if (is_cuda(device))
-        rc = backward_cuda(op, c, gy, t, g, has_bias, needs_input_grad);
-    else
-#endif
-        rc = c.dtype == ScalarType::Float
+    int rc = is_cuda(c.device) ? backward_cuda(op, c, gy, t, g, has_bias, needs_input_grad)
+             : c.dtype == ScalarType::Float
                  ? backward_cpu<float>(c, gy, t, g, has_bias, needs_input_grad)
                  : backward_cpu<double>(c, gy, t, g, has_bias, needs_input_grad);
     check_status(rc, op);
