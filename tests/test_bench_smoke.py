@@ -260,3 +260,21 @@ def test_dual_encoder_converts_the_same_linears_and_learns_overlap():
     both = bench_accuracy.task_loss(dense, b, 1.0)
     torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(dense(b["doc"], b["body"]), b["labels"]))
     assert both.item() > ce.item()
+
+
+def test_bench_adaptive_redraw_rewrites_table_and_plot(tmp_path):
+    """bench_adaptive's Markdown and plot come from its result JSON alone:
+    --redraw on a copy of the committed result rewrites both, with the
+    adaptive, fixed-rank and dense rows and what the reduced run left out."""
+    import shutil
+    import bench_adaptive
+    src = os.path.join(BENCH, "results", "adaptive_cpu.json")
+    dst = tmp_path / "adaptive_cpu.json"
+    shutil.copy(src, dst)
+    bench_adaptive.main(["--redraw", str(dst)])
+    md = (tmp_path / "adaptive_cpu.md").read_text()
+    for word in ("adaptive", "fixed", "dense"):
+        assert word in md
+    assert (tmp_path / "adaptive_cpu.png").stat().st_size > 0
+    with open(dst) as f:
+        assert "reduced" in json.load(f)
