@@ -12,6 +12,8 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from comera.hf_pretrained import install_save_hook, remove_save_hook
+
 _FLOAT = (torch.float32, torch.float64)
 
 
@@ -106,7 +108,10 @@ def hf_after_convert(model: nn.Module, tied_changed: bool) -> None:
     so the name-based mapping entries that no longer resolve are dropped and
     ``config.tie_word_embeddings`` is turned off in a private copy of the
     config (the caller's config object, often shared with other models, is
-    left alone); both are restored by :func:`to_dense`."""
+    left alone); both are restored by :func:`to_dense`.  ``model.save_pretrained``
+    now writes a folder that :func:`comera.from_pretrained` reloads and plain
+    ``from_pretrained`` refuses; :func:`to_dense` restores the class's own."""
+    install_save_hook(model)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     tied = getattr(model, "all_tied_weights_keys", None)
     if isinstance(tied, dict):
@@ -139,6 +144,7 @@ def hf_after_convert(model: nn.Module, tied_changed: bool) -> None:
 
 
 def hf_after_to_dense(model: nn.Module) -> None:
+    remove_save_hook(model)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     saved = getattr(model, "_comera_dropped_tied_keys", None)
     tied = getattr(model, "all_tied_weights_keys", None)
