@@ -185,6 +185,14 @@ def test_dtype_and_config_overrides(tmp_path):
     torch.testing.assert_close(_logits(loaded).float(), _logits(model), atol=1e-4, rtol=1e-4)
 
 
+def test_bfloat16_model_round_trips_in_its_dtype(tmp_path):
+    model = comera.convert(_model().to(torch.bfloat16), rank=8).eval()
+    model.save_pretrained(tmp_path)
+    loaded = comera.from_pretrained(transformers.AutoModelForMaskedLM, tmp_path)
+    assert loaded.bert.encoder.layer[0].output.dense.cores[0].dtype == torch.bfloat16
+    _assert_same_model(loaded, model)
+
+
 def test_deepcopy_keeps_the_hook_on_the_copy(tmp_path):
     model = comera.convert(_model(), rank=4)
     clone = copy.deepcopy(model)
