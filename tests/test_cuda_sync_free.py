@@ -26,8 +26,8 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="a CUDA-only feature: needs a 
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(comera.TTLinear(64, 96, rank=6), nn.GELU(),
-                         comera.TTLinear(96, 32, rank=6)).to(DEV)
+    return nn.Sequential(comera.TTLinear(64, 96, rank=8), nn.GELU(),
+                         comera.TTLinear(96, 32, rank=8)).to(DEV)  # compression 5.4
 
 
 def _batches(n):
@@ -38,7 +38,7 @@ def _batches(n):
 
 def _rank_adaptive(model, opt, **kw):
     args = dict(gamma=0.3, threshold=1e-2, stage1_steps=6, stage2_steps=10,
-                target_compression=8.0)
+                target_compression=12.0)
     args.update(kw)
     return comera.RankAdaptive(model, **args).attach(opt)
 
@@ -87,7 +87,7 @@ def test_rank_adaptive_steps_never_synchronise(rule):
             opt.step()
     assert ra.steps == 20 and ra._dc is not None  # the device path ran
     ra.check()
-    assert ra.frozen and abs(ra.compression() / 8.0 - 1) < 0.05
+    assert ra.frozen and abs(ra.compression() / 12.0 - 1) < 0.05
 
 
 def _graph_vs_eager(ra_kwargs, steps=6):
@@ -143,8 +143,9 @@ def test_cuda_graph_replays_stage1_steps_like_eager():
     """Stage 1 with a target: shrink, proximal kills and the controller's
     review (revivals, freeze check) all inside the graph.  Ranks die during
     the replayed steps, so the replays really ran the gate step."""
-    ra_e, ra_g, live = _graph_vs_eager(dict(stage1_steps=100, gamma=2.0, threshold=0.05))
-    assert ra_e.stage == 1 and live[-1] < live[0]
+    ra_e, ra_g, live = _graph_vs_eager(dict(stage1_steps=100, gamma=1.0, threshold=0.02,
+                                            target_compression=40.0))
+    assert ra_e.stage == 1 and not ra_e.frozen and live[-1] < live[0]
     assert ra_g.compression() == ra_e.compression()
 
 
@@ -152,7 +153,7 @@ def test_cuda_graph_replays_stage1_steps_like_eager():
 def test_cuda_graph_replays_frozen_steps_like_eager():
     """Stage 2 once the ranks are frozen (fine-tuning): dead entries stay 0."""
     ra_e, ra_g, live = _graph_vs_eager(dict(stage1_steps=1, stage2_steps=2,
-                                            target_compression=4.0))
+                                            target_compression=8.0))
     assert ra_e.frozen and ra_g.frozen and len(set(live)) == 1
     for g, s in zip(ra_g._gates(), ra_g._signs):
         assert torch.equal(torch.where(s == 0, g.detach(), torch.zeros_like(g)),
