@@ -104,7 +104,7 @@ class DeviceController:
 
     # ------------------------------------------------------ host <-> device
     def push(self, ctl: RankController) -> None:
-        """Loads the host controller's state (a host-to-device copy)."""
+        """Loads the host controller's state (fills in place: no copy, no wait)."""
         self.lam.fill_(ctl.lam)
         self.lam0.fill_(ctl.lam0)
         self.started.fill_(ctl.size_start is not None)
