@@ -47,6 +47,14 @@ deaths; :class:`comera.rank_controller.RankController` (no torch, plain
 numbers) sets the budget and ``lam`` and decides which proposed deaths to
 undo and which ranks to kill besides; :meth:`RankAdaptive._commit` writes
 its decision into the gates and signs.
+
+Synchronisation: with the gates on CUDA, :meth:`RankAdaptive.step` runs
+the same rule without reading the device (:mod:`comera.rank_device`: the
+controller's state and decisions are tensors), so training never waits for
+the GPU between prune steps and a whole step can be captured in a CUDA
+graph.  A NaN gate then makes the step a no-op and its ValueError is raised
+by :meth:`RankAdaptive.check`, which every prune step calls.  On the CPU
+the host controller decides (the same decisions, cheaper there).
 """
 import math
 import warnings
@@ -59,6 +67,7 @@ from comera.layer_base import dense_params, mode_size, tt_layers
 from comera.ops.gate_prox import gate_prox_
 from comera.prune import _keep_indices, prune
 from comera.rank_controller import Decision, Proposal, RankController, Scores, tt_size
+from comera.rank_device import DeviceController, device_step
 
 
 def _check_number(name: str, value, low: float, *, strict: bool = False) -> float:
@@ -203,6 +212,11 @@ class RankAdaptive:
         (2, True, True)
     """
 
+    _saliency_decay = SALIENCY_DECAY
+    # None: the sync-free device path runs when the gates are on CUDA; True /
+    # False force it on or off (tests force it on the CPU).
+    _force_device: Optional[bool] = None
+
     def __init__(self, model: nn.Module, *, gamma: float, threshold: float, stage1_steps: int,
                  stage2_steps: int, target_compression: Optional[float] = None,
                  prune_every: Optional[int] = None, min_rank: int = 1,
@@ -246,6 +260,7 @@ class RankAdaptive:
         self._hooks: list = []
         self._attached: Optional[torch.optim.Optimizer] = None
         self._in_hook = False
+        self._dc: Optional[DeviceController] = None  # the controller's state on the device
         self._sync_signs(force=True)
 
     # ------------------------------------------------------------- state
@@ -257,12 +272,32 @@ class RankAdaptive:
     @property
     def frozen(self) -> bool:
         """True once ranks no longer change (target reached, or stage 2 without a target)."""
+        self._pull()
         return not self._layers or self._ctl.ranks_frozen(self._step)
 
     @property
     def steps(self) -> int:
         """Steps taken so far (optimizer steps seen by the hook, or ``step()`` calls)."""
         return self._step
+
+    def _pull(self) -> None:
+        """Copies the device controller's state into the host one (syncs)."""
+        if self._dc is not None:
+            self._dc.pull(self._ctl)
+
+    def _device_ctl(self, device: torch.device) -> DeviceController:
+        """The controller state on ``device`` (built from the host state when needed)."""
+        if self._dc is None or self._dc.device != device:
+            self._pull()
+            self._dc = DeviceController(self._ctl, self._shapes(), device)
+        return self._dc
+
+    def _use_device(self, gates: List[torch.Tensor]) -> bool:
+        if len({g.device for g in gates}) != 1:
+            return False
+        if self._force_device is not None:
+            return self._force_device
+        return gates[0].device.type == "cuda"
 
     def _gates(self) -> List[nn.Parameter]:
         return [g for _, layer in self._layers for g in layer.gates]
@@ -317,6 +352,7 @@ class RankAdaptive:
         if self.stage == 1:
             return [self.gamma] * len(gates)
         self._sync_signs()
+        self._pull()
         lam, weights = self._ctl.penalty_weights(self._shapes(), self._live())
         return [lam * w for w in weights]
 
@@ -374,7 +410,9 @@ class RankAdaptive:
         ``lr * gamma``, needs ``optimizer`` for ``lr``; without it only the
         dead zone acts), the proximal kill step, stage switch, the stage-2
         size controller, and pruning every ``prune_every`` steps (which
-        needs ``optimizer``)."""
+        needs ``optimizer``).  With the gates on CUDA no step but a prune
+        step waits for the GPU, and a NaN gate is reported by :meth:`check`
+        (module doc)."""
         if self._attached is not None:
             raise RuntimeError("RankAdaptive.step: attached to an optimizer, whose step() already "
                                "runs it (call detach() to drive it by hand)")
@@ -384,8 +422,9 @@ class RankAdaptive:
         lr_of = {}
         if optimizer is not None:
             for group in optimizer.param_groups:
+                lr = group["lr"]  # a tensor lr (capturable optimizers) stays a tensor: no read
                 for p in group["params"]:
-                    lr_of[id(p)] = float(group["lr"])
+                    lr_of[id(p)] = lr if isinstance(lr, torch.Tensor) else float(lr)
         return [lr_of.get(id(g)) for g in gates]
 
     @torch.no_grad()
@@ -398,6 +437,40 @@ class RankAdaptive:
             return
         self._sync_signs()
         gates = self._gates()
+        if self._use_device(gates):
+            device_step(self, optimizer)
+        else:
+            self._host_step(gates, optimizer)
+        self._step += 1
+        if self.prune_every is not None and self._step % self.prune_every == 0:
+            self.check()
+            keeps = [_keep_indices(g) for g in gates]
+            prune(self.model, optimizer)
+            self._saliency = [s.index_select(0, k.to(s.device)) if s.shape != g.shape else s
+                              for s, k, g in zip(self._saliency, keeps, gates)]
+            self._sync_signs()
+
+    def check(self) -> None:
+        """Raises the ValueError of a NaN gate met by an earlier sync-free
+        step (gates on CUDA: :meth:`step` does not read the device, so it
+        defers the error to here; every prune step calls this).  No step
+        changed a gate while one held a NaN.  Reads the device.
+
+        Example:
+            >>> import torch, comera
+            >>> layer = comera.TTLinear(16, 16, rank=4)
+            >>> ra = comera.RankAdaptive(layer, gamma=0.1, threshold=1e-3, stage1_steps=5,
+            ...                          stage2_steps=0)
+            >>> ra.step(); ra.check()   # no NaN: nothing to raise
+        """
+        if self._dc is not None and bool(self._dc.nan_seen):
+            self._raise_on_nan([-1 if b else 0 for b in self._dc.nan_gates.tolist()],
+                               deferred=True)
+
+    def _host_step(self, gates: List[nn.Parameter], optimizer) -> None:
+        """The step with the host controller (reads the device)."""
+        self._pull()
+        self._dc = None
         bad = [i for i, g in enumerate(gates) if bool(torch.isnan(g).any())]
         if bad:
             self._raise_on_nan([-1 if i in bad else 0 for i in range(len(gates))])
@@ -424,13 +497,6 @@ class RankAdaptive:
             decision = self._ctl.decide(self._step, self._shapes(), self._live(), proposals,
                                         lambda: self._scores(before, died))
             self._commit(decision, before)
-        self._step += 1
-        if self.prune_every is not None and self._step % self.prune_every == 0:
-            keeps = [_keep_indices(g) for g in gates]
-            prune(self.model, optimizer)
-            self._saliency = [s.index_select(0, k.to(s.device)) if s.shape != g.shape else s
-                              for s, k, g in zip(self._saliency, keeps, gates)]
-            self._sync_signs()
 
     def _shrink(self, gates: List[torch.Tensor], optimizer) -> None:
         """Decoupled L1 step ``g <- sign(g) max(|g| - lr * strength, 0)``; a
@@ -448,14 +514,16 @@ class RankAdaptive:
                 top = torch.topk(old.abs(), need).indices
                 g.data[top] = torch.where(g.data[top] != 0, g.data[top], old[top])
 
-    def _raise_on_nan(self, live: List[int]) -> None:
+    def _raise_on_nan(self, live: List[int], deferred: bool = False) -> None:
         bad = [i for i, v in enumerate(live) if v < 0]
         if bad:
             li, k = [(i, k) for i, (_, layer) in enumerate(self._layers)
                      for k in range(len(layer.gates))][bad[0]]
             name = self._layers[li][0] or "<model>"
+            when = ("(seen by an earlier step on the device; no step changed a gate while "
+                    "it held NaN" if deferred else "(no gate was changed")
             raise ValueError(f"RankAdaptive.step: gate {k} of layer '{name}' contains NaN "
-                             "(no gate was changed; check the learning rate and the loss)")
+                             f"{when}; check the learning rate and the loss)")
 
     @torch.no_grad()
     def _scores(self, before: List[torch.Tensor], died: List[torch.Tensor]) -> Scores:
@@ -497,6 +565,7 @@ class RankAdaptive:
     def state_dict(self) -> Dict[str, object]:
         """Counters, controller state and each gate entry's live/dead sign, so
         that a resumed run continues in the same stage with the same ranks."""
+        self._pull()
         return {
             "step": self._step,
             "frozen": self._ctl.frozen,
@@ -527,6 +596,7 @@ class RankAdaptive:
                           f"settings ({', '.join(f'{k}={saved[k]!r}' for k in diff)}); "
                           "continuing with this controller's", stacklevel=2)
         self._step = _check_int("step", state["step"], 0)
+        self._dc = None  # rebuilt from the restored host state by the next device step
         self._ctl.frozen = bool(state["frozen"])
         self._ctl.lam = float(state["lam"])
         self._ctl.lam0 = float(state["lam0"])

@@ -55,8 +55,8 @@ STABLE_TORCH_LIBRARY(comera, m) {
     // Fused proximal step on TT gates after an optimizer step, in place: dead
     // entries (signs == 0) are re-zeroed; with kill, entries within threshold
     // of zero or whose sign changed die (gate and sign set to 0), keeping at
-    // least min_live per gate.  Returns the live count per gate (int64), -1
-    // for a gate holding a NaN (then nothing is modified).
+    // least min_live per gate.  Returns the live count per gate (int64, on the
+    // gates' device), -1 for a gate holding a NaN (then nothing is modified).
     m.def("gate_prox_(Tensor(a!)[] gates, Tensor(b!)[] signs, float threshold, int min_live, "
           "bool kill) -> Tensor");
 

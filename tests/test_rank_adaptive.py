@@ -74,7 +74,7 @@ def test_gate_prox_without_a_kernel_goes_through_the_cpu(monkeypatch, kill):
     """Gates on a device with no comera kernel are stepped by the C kernel on
     CPU copies and written back: same result as the reference; a NaN changes
     nothing."""
-    monkeypatch.setattr(gate_prox_module, "_has_kernel", lambda device: False)
+    monkeypatch.setattr(gate_prox_module, "_has_kernel", lambda device, dtype: False)
     gen = torch.Generator().manual_seed(11)
     gates, signs = _random_gates([0, 3, 9, 20], torch.float32, gen)
     expect = [_prox_reference(g.tolist(), s.tolist(), 0.03, 2, kill) for g, s in zip(gates, signs)]

@@ -9,8 +9,14 @@ CUDA build, the CUDA kernel serves CUDA tensors.  Gates anywhere else (a
 CUDA tensor in a CPU-only build, another device type) are copied to the
 CPU, stepped by the C kernel and copied back: gates hold one entry per
 rank, so the copies cost little.  bfloat16/float16 gates (a model cast to
-half precision) take the same route through float32 copies, since the
-kernels take float32/float64.
+half precision) take the same route through float32 copies on the CPU,
+whose kernel takes float32/float64; the CUDA kernel takes them as they are.
+
+Synchronisation: on CUDA the kernel gets the gate pointers as launch
+parameters and leaves the live counts on the device, so one call (one
+dtype, one device) never waits for the GPU and can be captured in a CUDA
+graph.  Gates of several dtypes in one call look for NaN first (the rule
+"a NaN anywhere changes nothing" spans the groups), which reads the device.
 """
 from typing import List, Sequence
 
@@ -23,13 +29,16 @@ _HALF = (torch.bfloat16, torch.float16)
 
 @torch.library.register_fake("comera::gate_prox_")
 def _gate_prox_fake(gates, signs, threshold, min_live, kill):
-    return torch.empty(len(gates), dtype=torch.int64, device="cpu")
+    # the live counts stay on the gates' device (CPU for an empty list)
+    device = gates[0].device if len(gates) else torch.device("cpu")
+    return torch.empty(len(gates), dtype=torch.int64, device=device)
 
 
-def _has_kernel(device: torch.device) -> bool:
-    """Whether this build registered a comera::gate_prox_ kernel for ``device``."""
+def _has_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this build registered a comera::gate_prox_ kernel for gates of
+    ``dtype`` on ``device`` (the CPU kernel: float32/float64 only)."""
     if device.type == "cpu":
-        return True
+        return dtype not in _HALF
     return device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
         "comera::gate_prox_", "CUDA")
 
@@ -55,8 +64,10 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
     previous step, 0 for a dead entry.  Dead entries are set back to 0; with
     ``kill``, live entries with ``|g| <= threshold`` or whose sign changed
     (the L1 pull carried them across zero) die, keeping at least ``min_live``
-    per gate.  Returns the live count per gate (int64, CPU); -1 marks a gate
-    holding a NaN, and then no gate is modified.
+    per gate.  Returns the live count per gate (int64, on the gates' device
+    when they share one, else on the CPU); -1 marks a gate holding a NaN,
+    and then no gate is modified.  On CUDA one call with gates of one dtype
+    does not wait for the device (module doc).
 
     Example:
         >>> import torch, comera
@@ -76,22 +87,28 @@ def gate_prox_(gates: Sequence[torch.Tensor], signs: Sequence[torch.Tensor], thr
     groups = {}
     for i, g in enumerate(gates):
         groups.setdefault((g.device, g.dtype), []).append(i)
+    devices = {g.device for g in gates}
+    home = devices.pop() if len(devices) == 1 else torch.device("cpu")
     if len(groups) > 1:
         # a NaN anywhere must leave every gate unchanged, so look before any group runs
         bad = [bool(torch.isnan(g).any()) for g in gates]
         if any(bad):
-            return torch.tensor([-1 if b else 0 for b in bad], dtype=torch.int64)
+            return torch.tensor([-1 if b else 0 for b in bad], dtype=torch.int64).to(home)
     args = (float(threshold), int(min_live), bool(kill))
-    live = torch.empty(len(gates), dtype=torch.int64)
-    for (device, _), idx in groups.items():
+    outs = []
+    for (device, dtype), idx in groups.items():
         gs, ss = [gates[i] for i in idx], [signs[i] for i in idx]
-        if _has_kernel(device) and gs[0].dtype not in _HALF:
+        if _has_kernel(device, dtype):
             with torch.no_grad():
-                out = torch.ops.comera.gate_prox_(gs, ss, *args)
+                outs.append(torch.ops.comera.gate_prox_(gs, ss, *args))
         else:
-            out = _via_cpu(gs, ss, *args)
+            outs.append(_via_cpu(gs, ss, *args))
+    if len(outs) == 1:  # one group: no gathering, no copy (the sync-free case)
+        return outs[0] if outs[0].device == home else outs[0].to(home)
+    live = torch.empty(len(gates), dtype=torch.int64)
+    for idx, out in zip(groups.values(), outs):
         live[idx] = out.cpu()
-    return live
+    return live.to(home)
 
 
 __all__: List[str] = ["gate_prox_"]

@@ -3,8 +3,10 @@
 // holds cpu.c (the C kernel, generic text in cpu_impl.h), cuda.cu (the CUDA
 // launchers), and this file, the torch glue for every device, on the LibTorch
 // stable ABI (common/glue.h): argument checks, then one call for all gates.
-// On CUDA the gate and sign pointers go to the device as one table, and the
-// live counts come back to the host (the op returns them as a CPU tensor).
+// On CUDA the gate and sign pointers reach the kernels as launch parameters
+// and the live counts stay on the device (the op returns them on the gates'
+// device): the call neither copies to the device nor waits for it, so rank
+// adaptation can run without host synchronisation and inside CUDA graphs.
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -76,24 +78,24 @@ int prox_cpu(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
 }
 
 #ifdef COMERA_WITH_CUDA
-// One launch pair for all gates; pointers and sizes travel as a device table.
+// Pointers and sizes go by value (host arrays read at launch); live stays on the device.
 Tensor prox_cuda(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
                  double threshold, int64_t min_live, bool kill, int *rc) {
     const int64_t n = static_cast<int64_t>(gates.size());
-    Tensor table = empty({3 * n}, ScalarType::Long, kCpu);
-    int64_t *tp = ptr<int64_t>(table);
+    std::vector<void *> gp;
+    std::vector<int8_t *> sp;
+    std::vector<int64_t> sizes;
     for (int64_t k = 0; k < n; k++) {
-        tp[k] = reinterpret_cast<int64_t>(gates[k].data_ptr());
-        tp[n + k] = reinterpret_cast<int64_t>(signs[k].data_ptr());
-        tp[2 * n + k] = gates[k].size(0);
+        gp.push_back(gates[k].data_ptr());
+        sp.push_back(ptr<int8_t>(signs[k]));
+        sizes.push_back(gates[k].size(0));
     }
     const Device device = gates[0].device();
-    Tensor table_dev = torch::stable::to(table, device);
     Tensor live = empty({n}, ScalarType::Long, device);
-    *rc = comera_gate_prox_cuda(dtype_code(gates[0].scalar_type()), n, ptr<int64_t>(table_dev),
-                                threshold, min_live, kill ? 1 : 0, ptr<int64_t>(live),
-                                current_stream(device));
-    return torch::stable::to(live, kCpu);
+    *rc = comera_gate_prox_cuda(dtype_code(gates[0].scalar_type()), n, gp.data(), sp.data(),
+                                sizes.data(), threshold, min_live, kill ? 1 : 0,
+                                ptr<int64_t>(live), current_stream(device));
+    return live;
 }
 #endif
 
@@ -102,7 +104,7 @@ Tensor gate_prox_(std::vector<Tensor> gates, std::vector<Tensor> signs, double t
     const char *op = "comera::gate_prox_";
     check_gates(op, gates, signs, threshold, min_live);
     const int64_t n = static_cast<int64_t>(gates.size());
-    if (n == 0) return empty({0}, ScalarType::Long, kCpu);
+    if (n == 0) return empty({0}, ScalarType::Long, kCpu);  // no gates: no device to name
 #ifdef COMERA_WITH_CUDA
     const Device device = gates[0].device();
     CudaGuard guard(device);

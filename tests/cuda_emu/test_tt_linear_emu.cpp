@@ -266,10 +266,12 @@ template <typename T, typename R>
 static void gate_prox_case(int dt, unsigned seed, double threshold, int64_t min_live, int kill,
                            bool with_nan,
                            int (*ref_fn)(int64_t, R *const *, int8_t *const *, const int64_t *,
-                                         double, int64_t, int, int64_t *, int)) {
+                                         double, int64_t, int, int64_t *, int),
+                           int G = 6) {
     unsigned st = seed;
-    const int64_t sizes[] = {1, 5, 17, 3, 40, 8};
-    const int G = 6;
+    const int64_t base_sizes[] = {1, 5, 17, 3, 40, 8};
+    std::vector<int64_t> sizes(G);
+    for (int k = 0; k < G; k++) sizes[k] = base_sizes[k % 6];
     std::vector<std::vector<R>> rg(G);
     std::vector<std::vector<T>> tg(G);
     std::vector<std::vector<int8_t>> rs(G), ts(G);
@@ -284,24 +286,27 @@ static void gate_prox_case(int dt, unsigned seed, double threshold, int64_t min_
         }
         ts[k] = rs[k];
     }
-    if (with_nan) {
-        rg[4][7] = (R)NAN;
-        tg[4][7] = from_d<T>(NAN);
+    if (with_nan) {  /* in the last gate of size 40: the last chunk when G > COMERA_GATE_CHUNK */
+        int k = G - 1;
+        while (sizes[k] != 40) k--;
+        rg[k][7] = (R)NAN;
+        tg[k][7] = from_d<T>(NAN);
     }
     std::vector<R *> rgp;
     std::vector<int8_t *> rsp;
+    std::vector<void *> tgp;
+    std::vector<int8_t *> tsp;
     for (int k = 0; k < G; k++) {
         rgp.push_back(rg[k].data());
         rsp.push_back(rs[k].data());
+        tgp.push_back(tg[k].data());
+        tsp.push_back(ts[k].data());
     }
-    std::vector<int64_t> rlive(G), live(G, 99), table(3 * G);
-    int rrc = ref_fn(G, rgp.data(), rsp.data(), sizes, threshold, min_live, kill, rlive.data(), 1);
-    for (int k = 0; k < G; k++) {
-        table[k] = (int64_t)(intptr_t)tg[k].data();
-        table[G + k] = (int64_t)(intptr_t)ts[k].data();
-        table[2 * G + k] = sizes[k];
-    }
-    int rc = comera_gate_prox_cuda(dt, G, table.data(), threshold, min_live, kill, live.data(), nullptr);
+    std::vector<int64_t> rlive(G), live(G, 99);
+    int rrc = ref_fn(G, rgp.data(), rsp.data(), sizes.data(), threshold, min_live, kill,
+                     rlive.data(), 1);
+    int rc = comera_gate_prox_cuda(dt, G, tgp.data(), tsp.data(), sizes.data(), threshold,
+                                   min_live, kill, live.data(), nullptr);
     bool ok = rc == COMERA_OK && (rrc == COMERA_OK || rrc == COMERA_GATE_NAN) && live == rlive;
     for (int k = 0; k < G && ok; k++) {
         ok = ts[k] == rs[k];
@@ -311,8 +316,8 @@ static void gate_prox_case(int dt, unsigned seed, double threshold, int64_t min_
         }
     }
     check(ok, "gate prox dtype " + std::to_string(dt) + " seed " + std::to_string(seed) +
-                  " threshold " + std::to_string(threshold) + " min_live " +
-                  std::to_string(min_live) + " kill " + std::to_string(kill) +
+                  " gates " + std::to_string(G) + " threshold " + std::to_string(threshold) +
+                  " min_live " + std::to_string(min_live) + " kill " + std::to_string(kill) +
                   (with_nan ? " with NaN" : ""));
 }
 
@@ -332,9 +337,21 @@ static void gate_prox() {
                     gate_prox_case<__half, float>(COMERA_DT_F16, seed++, thr, min_live, kill, nan,
                                                   comera_gate_prox_f32);
                 }
-    check(comera_gate_prox_cuda(COMERA_DT_F32, 1, nullptr, NAN, 0, 1, nullptr, nullptr) ==
+    /* more gates than one launch carries: three chunks, a NaN in the last one
+     * must still leave the first chunks alone */
+    for (int G : {COMERA_GATE_CHUNK, COMERA_GATE_CHUNK + 1, 2 * COMERA_GATE_CHUNK + 23})
+        for (bool nan : {false, true})
+            gate_prox_case<float, float>(COMERA_DT_F32, seed++, 0.01, 1, 1, nan,
+                                         comera_gate_prox_f32, G);
+    int64_t size = 1, live = 0;
+    void *g = &live;
+    int8_t s = 0, *sp = &s;
+    check(comera_gate_prox_cuda(COMERA_DT_F32, 1, &g, &sp, &size, NAN, 0, 1, &live, nullptr) ==
               COMERA_ERR_ARG,
           "gate prox: a NaN threshold is refused");
+    check(comera_gate_prox_cuda(COMERA_DT_F32, 1, nullptr, &sp, &size, 0.1, 0, 1, &live,
+                                nullptr) == COMERA_ERR_ARG,
+          "gate prox: a missing pointer array is refused");
 }
 
 /* kernels launched by one forward and one backward at the benchmark shape */

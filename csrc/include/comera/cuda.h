@@ -76,12 +76,18 @@ int comera_tt_linear_bwd_cuda(const comera_tt_linear_prep *p, int dtype, const v
 /* ---- gate proximal step (comera::gate_prox_) -----------------------------
  *
  * The rule of comera_gate_prox_f32/f64 (comera/gate_prox.h) on device
- * data, all gates of one dtype.  `table` is a device array of 3 * num_gates
- * int64: the gates' device pointers, then the int8 sign vectors' device
- * pointers, then the sizes.  `live` (device, num_gates int64) receives each
- * gate's live count, -1 for a gate holding a NaN (then nothing changes).
- * threshold < 0 disables the dead zone; NaN is an argument error. */
-int comera_gate_prox_cuda(int dtype, int64_t num_gates, const int64_t *table, double threshold,
+ * data, all gates of one dtype.  `gates`, `signs`, `sizes` are HOST arrays
+ * of num_gates entries (the gates' and int8 sign vectors' device pointers,
+ * the lengths), like the C kernel's; they reach the kernels by value, as
+ * launch parameters in chunks of COMERA_GATE_CHUNK gates, so the call makes
+ * no host-to-device copy, never waits for the device, and can be captured in
+ * a CUDA graph.  `live` (DEVICE, num_gates int64) receives each gate's live
+ * count, -1 for a gate holding a NaN (then no gate changes); it is left on
+ * the device for the caller.  threshold < 0 disables the dead zone; NaN is
+ * an argument error. */
+#define COMERA_GATE_CHUNK 64
+int comera_gate_prox_cuda(int dtype, int64_t num_gates, void *const *gates,
+                          int8_t *const *signs, const int64_t *sizes, double threshold,
                           int64_t min_live, int kill, int64_t *live, cudaStream_t stream);
 
 /* ---- gate soft threshold --------------------------------------------------
