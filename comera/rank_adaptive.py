@@ -192,6 +192,13 @@ class RankAdaptive:
             function, gates = relative singular values; see
             :func:`balance_`), so a gate's size means the same in every
             layer.  Do it before the optimizer has state.
+        sync_free: ``None`` (default): on CUDA, the per-step logic (gate
+            step, live ranks, stage-2 controller) stays on the device and
+            only prune steps read it back, so a step can be captured in a
+            CUDA graph; elsewhere the host path runs.  ``False`` keeps the
+            host path on CUDA too (a few syncs per step, but cheaper than the
+            device controller's kill loop in eager stage 2); ``True`` forces
+            the device path (same results, tested equal).
 
     Usage: ``ra.attach(optimizer)`` once, then train as usual; or call
     :meth:`step` right after every ``optimizer.step()``.  :meth:`penalty`
@@ -220,7 +227,8 @@ class RankAdaptive:
     def __init__(self, model: nn.Module, *, gamma: float, threshold: float, stage1_steps: int,
                  stage2_steps: int, target_compression: Optional[float] = None,
                  prune_every: Optional[int] = None, min_rank: int = 1,
-                 stage2_rule: str = "saliency", balance: bool = True):
+                 stage2_rule: str = "saliency", balance: bool = True,
+                 sync_free: Optional[bool] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.gamma = _check_number("gamma", gamma, 0.0)
@@ -236,6 +244,9 @@ class RankAdaptive:
         self.target_compression = target_compression
         self.prune_every = None if prune_every is None else _check_int("prune_every", prune_every, 1)
         self.min_rank = _check_int("min_rank", min_rank, 1)
+        if sync_free not in (None, True, False):
+            raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
+        self._force_device = sync_free
         if stage2_rule not in STAGE2_RULES:
             raise ValueError(f"stage2_rule must be one of {STAGE2_RULES}, got {stage2_rule!r}")
         self.stage2_rule = stage2_rule

@@ -327,3 +327,19 @@ def test_switching_between_paths_carries_the_controller_state():
     for h, m in zip(host, mixed):
         assert all(torch.equal(a, b) for a, b in zip(h[0], m[0]))
         assert h[2][0] == m[2][0] and h[2][3] == m[2][3] and h[3] == m[3]
+
+
+def test_sync_free_argument_selects_the_path():
+    """The public ``sync_free`` argument forces the device path (True), the
+    host path (False) or picks by device (None: host on the CPU)."""
+    for value, expect_device in ((True, True), (False, False), (None, False)):
+        model = nn.Sequential(comera.TTLinear(16, 16, rank=4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        ra = comera.RankAdaptive(model, gamma=0.3, threshold=1e-2, stage1_steps=2,
+                                 stage2_steps=2, sync_free=value).attach(opt)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        assert (ra._dc is not None) == expect_device
+    with pytest.raises(TypeError, match="sync_free"):
+        comera.RankAdaptive(nn.Sequential(comera.TTLinear(16, 16, rank=4)), gamma=0.3,
+                            threshold=1e-2, stage1_steps=2, stage2_steps=2, sync_free="yes")
