@@ -165,6 +165,8 @@ def setup(device_name: str) -> Tuple[Context, torch.device]:
     if not 0 <= rank < world:
         raise ValueError(f"RANK must be in [0, WORLD_SIZE), got RANK={rank}, WORLD_SIZE={world}")
     dev = pick_device(device_name, local, world)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local)  # DDP and nccl need the index
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -53,7 +53,7 @@ def _text(record, fields, where: str) -> str:
     return "\n".join(parts)
 
 
-def read_jsonl(path: str, fields: Sequence[str], name: Optional[str] = None) -> Iterator[Tuple[int, str]]:
+def read_jsonl(path: str, fields: Sequence[str]) -> Iterator[Tuple[int, str]]:
     """``(line number, text)`` of every record of a JSON Lines file (gzip
     compressed when the name ends in ``.gz``).
 
@@ -65,7 +65,7 @@ def read_jsonl(path: str, fields: Sequence[str], name: Optional[str] = None) -> 
         [(1, 'One.\\nx = 1'), (3, '\\ny = 2')]
     """
     fields = _check_fields(fields)
-    name = name or path
+    name = path
     opener = gzip.open if path.lower().endswith(".gz") else open
     lineno = 0
     try:
@@ -83,7 +83,8 @@ def read_jsonl(path: str, fields: Sequence[str], name: Optional[str] = None) -> 
                 yield lineno, _text(record, fields, where)
     except (OSError, EOFError, zlib.error) as e:
         # gzip.BadGzipFile is an OSError; a truncated stream an EOFError.
-        raise RecordError(f"{name}: cannot be read after line {lineno} ({type(e).__name__}: {e})") from None
+        after = f" after line {lineno}" if lineno else ""
+        raise RecordError(f"{name}: cannot be read{after} ({type(e).__name__}: {e})") from None
 
 
 def _require_pyarrow():
@@ -95,8 +96,7 @@ def _require_pyarrow():
     return pq
 
 
-def read_parquet(path: str, fields: Sequence[str], name: Optional[str] = None,
-                 batch_rows: int = 4096) -> Iterator[Tuple[int, str]]:
+def read_parquet(path: str, fields: Sequence[str], batch_rows: int = 4096) -> Iterator[Tuple[int, str]]:
     """``(row index, text)`` of every row of a Parquet file, read in batches.
 
     Example:
@@ -107,7 +107,7 @@ def read_parquet(path: str, fields: Sequence[str], name: Optional[str] = None,
         [(0, 'a = 1'), (1, 'b = 2')]
     """
     fields = _check_fields(fields)
-    name = name or path
+    name = path
     pq = _require_pyarrow()
     import pyarrow as pa
     try:
@@ -138,8 +138,9 @@ def read_parquet(path: str, fields: Sequence[str], name: Optional[str] = None,
 
 def read_records(path: str, fields: Sequence[str], name: Optional[str] = None) -> Iterator[Tuple[str, str]]:
     """``(document name, text)`` of every record of ``path``: the name is
-    ``name:line`` for JSON Lines, ``name:row`` for Parquet."""
+    ``name:line`` for JSON Lines, ``name:row`` for Parquet (``name``
+    defaults to ``path``; errors name ``path``)."""
     name = name or path
     reader = read_parquet if path.lower().endswith(".parquet") else read_jsonl
-    for pos, text in reader(path, fields, name):
+    for pos, text in reader(path, fields):
         yield f"{name}:{pos}", text

@@ -166,6 +166,90 @@ def _stop_reason(stop: StopFlag, budget: Budget, steps_this_run: int, ctx: Conte
     return None
 
 
+class _MethodRun:
+    """The state of one method's training in this process: model, optimizer,
+    schedule, controller, step and history, and what saves and scores them."""
+
+    def __init__(self, method: str, p: Preset, data: MLMData, run_dir: str, device: torch.device,
+                 seed: int, resume: bool, opt: Options, log: Callable):
+        self.method, self.p, self.data, self.device, self.opt = method, p, data, device, opt
+        self.ctx = ctx = opt.ctx if opt.ctx is not None else Context(device=device)
+        mdir = os.path.join(run_dir, method)
+        if ctx.main:
+            os.makedirs(mdir, exist_ok=True)
+        self.path = os.path.join(mdir, "checkpoint.pt")
+        self.memory = PeakMemory(device)
+        # Measured from before the model exists: it and its optimizer state count.
+        self.memory.reset()
+        build = build_comera if method == "comera" else build_dense
+        self.model = build(p, data.vocab_size, seed).to(device).train()
+        self.optimizer = make_optimizer(self.model, p, method_lr(method, p))
+        self.schedule = make_schedule(self.optimizer, p)
+        # The controller balances the TT layers when built (before any optimizer
+        # state exists); attached, it runs after every optimizer.step().
+        self.controller = make_controller(self.model, p) if method == "comera" else None
+        if resume:
+            self.step, self.history, self.totals = _resume(
+                self.path, self.model, self.optimizer, self.schedule, self.controller, ctx,
+                lambda m: log(f"{method}: {m}"))
+        else:
+            self.step, self.history, self.totals = 0, _new_history(), _new_totals()
+        if self.step == 0:
+            torch.manual_seed(seed)
+        # Its gate-sync hook (several processes) must run before the controller's.
+        self.stepper = Stepper(self.model, self.optimizer, device=device, ctx=ctx, precision=opt.precision,
+                               grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip)
+        if self.controller is not None:
+            self.controller.attach(self.optimizer)
+        self.t_start = time.perf_counter()
+        self.wall_before = self.totals["wall_time_s"]
+
+    def save_checkpoint(self) -> None:
+        totals = self.totals
+        totals["wall_time_s"] = self.wall_before + time.perf_counter() - self.t_start
+        peak = self.memory.peak()
+        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
+        totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
+                                                 peak - self.memory.baseline)
+        if not self.ctx.main:
+            return
+        c = self.controller
+        persistence.save_training_state(self.path, {
+            "method": self.method, "step": self.step, "model": self.model.state_dict(),
+            "tt_ranks": persistence.tt_shapes(self.model), "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(), "controller": c.state_dict() if c is not None else None,
+            "rng": persistence.rng_state(), "history": self.history, "totals": totals,
+            "preset": asdict(self.p), "finished": self.step >= self.p.steps})
+
+    def score(self) -> float:
+        return evaluate(self.model, self.data, self.device, self.p.batch_size, ctx=self.ctx,
+                        precision=self.opt.precision)
+
+    def train_step(self) -> float:
+        """One step, recorded in the history and totals; returns its loss."""
+        t0 = time.perf_counter()
+        loss_value = self.stepper.step(*self.data.batch(self.step))
+        lr = self.schedule.get_last_lr()[0]
+        self.schedule.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        self.totals["train_time_s"] += time.perf_counter() - t0
+        self.totals["tokens"] += self.p.batch_size * self.p.seq_len  # the global batch
+        self.history["step"].append(self.step)
+        self.history["loss"].append(loss_value)
+        self.history["lr"].append(lr)
+        return loss_value
+
+    def tokens_per_s(self) -> float:
+        return self.totals["tokens"] / max(self.totals["train_time_s"], 1e-9)
+
+    def close(self) -> None:
+        self.stepper.close()
+        if self.controller is not None:
+            self.controller.detach()
+
+
 def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device: torch.device,
                  seed: int, resume: bool, budget: Budget, stop: StopFlag, progress: bool = True,
                  log: Callable = print, options: Optional[Options] = None) -> dict:
@@ -176,113 +260,51 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    opt = options if options is not None else Options()
-    ctx = opt.ctx if opt.ctx is not None else Context(device=device)
-    mdir = os.path.join(run_dir, method)
-    if ctx.main:
-        os.makedirs(mdir, exist_ok=True)
-    path = os.path.join(mdir, "checkpoint.pt")
-    memory = PeakMemory(device)
-    # Measured from before the model exists: it and its optimizer state count.
-    memory.reset()
-    build = build_comera if method == "comera" else build_dense
-    model = build(p, data.vocab_size, seed).to(device).train()
-    optimizer = make_optimizer(model, p, method_lr(method, p))
-    schedule = make_schedule(optimizer, p)
-    # The controller balances the TT layers when built (before any optimizer
-    # state exists); attached, it runs after every optimizer.step().
-    controller = make_controller(model, p) if method == "comera" else None
-    if resume:
-        step, history, totals = _resume(path, model, optimizer, schedule, controller, ctx,
-                                        lambda m: log(f"{method}: {m}"))
-    else:
-        step, history, totals = 0, _new_history(), _new_totals()
-    if step == 0:
-        torch.manual_seed(seed)
-    # Its gate-sync hook (several processes) must run before the controller's.
-    stepper = Stepper(model, optimizer, device=device, ctx=ctx, precision=opt.precision,
-                      grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip)
-    if controller is not None:
-        controller.attach(optimizer)
-    t_start = time.perf_counter()
-    wall_before = totals["wall_time_s"]
-
-    def save_checkpoint():
-        totals["wall_time_s"] = wall_before + time.perf_counter() - t_start
-        peak = memory.peak()
-        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
-        totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
-                                                 peak - memory.baseline)
-        if not ctx.main:
-            return
-        persistence.save_training_state(path, {
-            "method": method, "step": step, "model": model.state_dict(),
-            "tt_ranks": persistence.tt_shapes(model), "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict(),
-            "controller": controller.state_dict() if controller is not None else None,
-            "rng": persistence.rng_state(), "history": history, "totals": totals,
-            "preset": asdict(p), "finished": step >= p.steps})
-
-    def score():
-        return evaluate(model, data, device, p.batch_size, ctx=ctx, precision=opt.precision)
-
-    bar = Progress(p.steps, every=p.log_every, enabled=progress and ctx.main, prefix=f"{method:>6} ")
-    tokens_per_step = p.batch_size * p.seq_len
-    stop_reason = "finished" if step >= p.steps else None
+    r = _MethodRun(method, p, data, run_dir, device, seed, resume, options or Options(), log)
+    history, controller = r.history, r.controller
+    bar = Progress(p.steps, every=p.log_every, enabled=progress and r.ctx.main, prefix=f"{method:>6} ")
+    stop_reason = "finished" if r.step >= p.steps else None
     steps_this_run = 0
-    conv, whole = (history["compression"][-1][1], history["whole_compression"][-1][1]) \
-        if history["compression"] else _record_structure(history, model, step, controller)
-    while step < p.steps:
-        stop_reason = _stop_reason(stop, budget, steps_this_run, ctx)
+    conv = history["compression"][-1][1] if history["compression"] else \
+        _record_structure(history, r.model, r.step, controller)[0]
+    while r.step < p.steps:
+        stop_reason = _stop_reason(stop, budget, steps_this_run, r.ctx)
         if stop_reason is not None:
             break
-        t0 = time.perf_counter()
-        loss_value = stepper.step(*data.batch(step))
-        lr = schedule.get_last_lr()[0]
-        schedule.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        step += 1
+        loss_value = r.train_step()
         steps_this_run += 1
-        totals["train_time_s"] += dt
-        totals["tokens"] += tokens_per_step
-        history["step"].append(step)
-        history["loss"].append(loss_value)
-        history["lr"].append(lr)
+        step = r.step
         if not math.isfinite(loss_value):
             stop_reason = "loss is not finite"
             log(f"{method}: stopping at step {step}: the training loss is {loss_value}")
             break
         if step % p.log_every == 0 or step == p.steps:
-            memory.sample()
-            history["tokens_per_s"].append([step, totals["tokens"] / max(totals["train_time_s"], 1e-9)])
-            conv, whole = _record_structure(history, model, step, controller)
+            r.memory.sample()
+            history["tokens_per_s"].append([step, r.tokens_per_s()])
+            conv = _record_structure(history, r.model, step, controller)[0]
         if step % p.eval_every == 0 or step == p.steps:
-            history["valid"].append([step, score()])
+            history["valid"].append([step, r.score()])
         if step % p.checkpoint_every == 0 and step < p.steps:
-            save_checkpoint()
-        bar.update(step, loss=loss_value, tokens_per_s=totals["tokens"] / max(totals["train_time_s"], 1e-9),
-                   stage=stage_name(controller), compression=conv)
+            r.save_checkpoint()
+        bar.update(step, loss=loss_value, tokens_per_s=r.tokens_per_s(), stage=stage_name(controller),
+                   compression=conv)
     bar.close()
-    stepper.close()
-    if stop_reason is None:
-        stop_reason = "finished"
+    r.stepper.close()
     # Always end on an evaluation of the current weights, for the report.
-    if not history["valid"] or history["valid"][-1][0] != step:
-        history["valid"].append([step, score()])
-    if step >= p.steps and controller is not None:
+    if not history["valid"] or history["valid"][-1][0] != r.step:
+        history["valid"].append([r.step, r.score()])
+    if r.step >= p.steps and controller is not None:
         # Finished: cut dead ranks for good, so the saved model is small (the
         # gates are the same in every process, so are the cuts).
         import comera
-        comera.prune(model, optimizer)
-    if not history["compression"] or history["compression"][-1][0] != step:
-        _record_structure(history, model, step, controller)
-    save_checkpoint()
-    result = _result(method, model, controller, p, step, stop_reason, history, totals, memory)
-    if controller is not None:
-        controller.detach()
-    del model, optimizer, schedule, controller, stepper
+        comera.prune(r.model, r.optimizer)
+    if not history["compression"] or history["compression"][-1][0] != r.step:
+        _record_structure(history, r.model, r.step, controller)
+    r.save_checkpoint()
+    result = _result(method, r.model, controller, p, r.step, stop_reason or "finished", history,
+                     r.totals, r.memory)
+    r.close()
+    del r, controller  # the controller holds the model
     release_memory()
     return result
 
