@@ -80,7 +80,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=_positive_int, default=1,
                    help="micro-batches per optimizer step: each process computes its share of "
                         "--batch-size in this many pieces (same result, less memory; default 1)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
+    g.add_argument("--compile", action="store_true", help="torch.compile the encoder (the output layer, on the masked positions only, "
+                        "stays eager)")
 
     g = ap.add_argument_group("corpus")
     g.add_argument("--corpus", default=None,
@@ -109,7 +110,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn", type=_positive_int)
     g.add_argument("--seq-len", type=_positive_int)
     g.add_argument("--dropout", type=_fraction)
-    g.add_argument("--batch-size", type=_positive_int)
+    g.add_argument("--batch-size", type=_positive_int,
+                   help="sequences per optimizer step over all processes (the global batch)")
     g.add_argument("--steps", type=_positive_int)
     g.add_argument("--lr", type=_positive_float, help="peak learning rate (dense)")
     g.add_argument("--lr-comera", type=_positive_float,
