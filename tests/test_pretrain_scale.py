@@ -196,3 +196,20 @@ def test_two_processes_train_like_one_and_resume(code_dir, reference, tmp_path):
     # they agree) and reached the same compression as one process.
     assert a["compression_converted"] >= 20 * 0.99
     assert abs(a["compression_converted"] - b["compression_converted"]) / b["compression_converted"] < 0.05
+
+
+def test_ctrl_c_twice_at_once_is_one_request(monkeypatch):
+    """Under torchrun a terminal's Ctrl-C reaches a worker twice at once
+    (terminal and launcher): that stops cleanly; a later one aborts."""
+    import signal
+    import time
+    from comera.pretrain.monitor import StopFlag
+    with StopFlag(log=lambda *a: None) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs between bytecodes
+        assert stop.requested and stop.reason == "interrupted"
+        monkeypatch.setattr(StopFlag, "REPEAT_S", 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
