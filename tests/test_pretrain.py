@@ -450,7 +450,8 @@ def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_ru
 
 
 # ----------------------------------------------------------- docstrings
-@pytest.mark.parametrize("module", ["corpus", "data", "model", "tokenizer", "monitor", "plots", "train",
+@pytest.mark.parametrize("module", ["corpus", "records", "data", "model", "tokenizer", "monitor", "plots", "train",
+                                    "step", "distributed",
                                     "report", "run", "cli"])
 def test_docstring_examples_run(module):
     import importlib

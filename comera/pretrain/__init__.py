@@ -1,10 +1,13 @@
 """``comera pretrain``: CodeBERT-style masked-language-model pre-training on
 Python source, dense against CoMERA (needs the ``train`` extra).
 
-Modules: corpus (files and the split), tokenizer (byte-level BPE + cache),
-data (blocks, batch order, masking), model (presets, RoBERTa, conversion),
-train (the loop; its checkpoints go through comera.persistence), monitor (progress, memory, Ctrl-C), report,
-plots, run (the whole job), cli (flags).
+Modules: corpus (files and the split), records (.jsonl / .parquet corpora),
+tokenizer (byte-level BPE + cache), data (blocks, batch order, masking),
+model (presets, RoBERTa, conversion), step (one optimizer step: DDP share,
+micro-batches, bf16 autocast, torch.compile), distributed (torchrun
+processes), train (the loop; its checkpoints go through comera.persistence),
+monitor (progress, memory, Ctrl-C), report, plots, run (the whole job), cli
+(flags).
 
 Example:
     >>> from comera.__main__ import main

@@ -52,8 +52,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         >>> ap = argparse.ArgumentParser()
         >>> add_arguments(ap)
         >>> a = ap.parse_args(["--method", "dense", "--rank", "8"])
-        >>> a.method, a.rank, a.lr, a.preset
-        ('dense', 8, None, 'tiny')
+        >>> a.method, a.rank, a.lr, a.preset, a.precision, a.grad_accum
+        ('dense', 8, None, 'tiny', 'fp32', 1)
     """
     g = ap.add_argument_group("run")
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
@@ -73,14 +73,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    g = ap.add_argument_group("scale out (several processes: start with torchrun)")
+    g.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: activations in bfloat16 autocast, parameters and optimizer state "
+                        "stay float32 (default: fp32)")
+    g.add_argument("--grad-accum", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step: each process computes its share of "
+                        "--batch-size in this many pieces (same result, less memory; default 1)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the encoder (the output layer, on the masked positions only, "
+                        "stays eager)")
+
     g = ap.add_argument_group("corpus")
     g.add_argument("--corpus", default=None,
                    help="a folder (searched recursively), a file, or a glob such as 'src/**/*.py' "
-                        "(default: the running Python's standard library)")
+                        "(default: the running Python's standard library); .jsonl, .jsonl.gz and "
+                        ".parquet files hold one document per record (see --text-field)")
     g.add_argument("--extensions", nargs="+", default=[".py"],
                    help="file endings taken from a --corpus folder (default: .py)")
+    g.add_argument("--text-field", nargs="+", default=None, metavar="FIELD",
+                   help="the string field(s) of each .jsonl/.parquet record that make its document, "
+                        "joined by a newline (default: text; CodeSearchNet: code)")
     g.add_argument("--max-files", type=_positive_int, default=None,
-                   help="use a fixed, seeded subset of this many files")
+                   help="use a fixed, seeded subset of this many documents (files, or records)")
     g.add_argument("--valid-fraction", type=_fraction, default=0.05,
                    help="share of the files held out for validation (default 0.05)")
     g.add_argument("--vocab-size", type=_positive_int, default=None, help="BPE vocabulary (preset: 8192)")
@@ -96,7 +110,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn", type=_positive_int)
     g.add_argument("--seq-len", type=_positive_int)
     g.add_argument("--dropout", type=_fraction)
-    g.add_argument("--batch-size", type=_positive_int)
+    g.add_argument("--batch-size", type=_positive_int,
+                   help="sequences per optimizer step over all processes (the global batch)")
     g.add_argument("--steps", type=_positive_int)
     g.add_argument("--lr", type=_positive_float, help="peak learning rate (dense)")
     g.add_argument("--lr-comera", type=_positive_float,

@@ -1,5 +1,6 @@
 """The pre-training corpus: source files found on disk, decoded as UTF-8 and
-split into training and validation sets by file.
+split into training and validation sets by file; or records of JSON Lines
+and Parquet files (:mod:`comera.pretrain.records`), split by record.
 
 By default the corpus is the ``.py`` files of the running interpreter's
 standard library: real code that ships with every Python.  The split is
@@ -14,6 +15,11 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
+
+from comera.pretrain.records import is_record_file, read_records
+
+# The record field read when --text-field is not given.
+DEFAULT_TEXT_FIELDS = ("text",)
 
 
 class CorpusError(ValueError):
@@ -121,8 +127,8 @@ def split_files(rel_paths: Sequence[str], valid_fraction: float, seed: int = 0) 
         raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
     paths = sorted(set(rel_paths))
     if len(paths) < 2:
-        raise CorpusError(f"the corpus needs at least 2 readable files to split into training and "
-                          f"validation by file, got {len(paths)}")
+        raise CorpusError(f"the corpus needs at least 2 readable files or records to split into "
+                          f"training and validation by document, got {len(paths)}")
     n_valid = min(len(paths) - 1, max(1, math.ceil(valid_fraction * len(paths))))
     ranked = sorted(paths, key=lambda p: _split_key(p, seed))
     valid = set(ranked[:n_valid])
@@ -147,13 +153,48 @@ def _read_text(path: str) -> Tuple[Optional[str], Optional[str]]:
     return text, None
 
 
+def _read_documents(rels: dict, text_fields: Sequence[str]):
+    """Decodes every file of ``{relative path: path}``: a record file gives
+    one document per record (named ``path:line`` or ``path:row``), any
+    other file one document.  Returns (texts, skipped counts, skipped names)."""
+    texts, skipped, skipped_files = {}, {}, []
+
+    def skip(reason, name):
+        skipped[reason] = skipped.get(reason, 0) + 1
+        skipped_files.append(name)
+
+    for rel in sorted(rels):
+        if is_record_file(rel):
+            for name, text in read_records(rels[rel], text_fields, rel):
+                if text.strip():
+                    texts[name] = text
+                else:
+                    skip("empty", name)
+            continue
+        text, reason = _read_text(rels[rel])
+        if text is None:
+            skip(reason, rel)
+        else:
+            texts[rel] = text
+    return texts, skipped, skipped_files
+
+
+def _subset(names, n: int, seed: int):
+    return sorted(names, key=lambda p: _split_key(p, seed + 1))[:n]
+
+
 def load_corpus(spec: Optional[str] = None, *, valid_fraction: float = 0.05, seed: int = 0,
-                max_files: Optional[int] = None, extensions: Sequence[str] = (".py",)) -> Corpus:
+                max_files: Optional[int] = None, extensions: Sequence[str] = (".py",),
+                text_fields: Sequence[str] = DEFAULT_TEXT_FIELDS) -> Corpus:
     """Finds, decodes and splits the corpus.
 
     Files that cannot be read or decoded are skipped and counted, never
-    fatal.  ``max_files`` keeps a deterministic subset (the files ranked first
-    by a seeded hash of their path), for quick runs.
+    fatal; a ``.jsonl``, ``.jsonl.gz`` or ``.parquet`` file gives one
+    document per record (its ``text_fields``, see
+    :mod:`comera.pretrain.records`) and a bad record is an error naming the
+    file and line or row.  ``max_files`` keeps a deterministic subset of the
+    documents (the ones ranked first by a seeded hash of their name), for
+    quick runs.
 
     Example:
         >>> c = load_corpus(max_files=20)
@@ -165,22 +206,18 @@ def load_corpus(spec: Optional[str] = None, *, valid_fraction: float = 0.05, see
     if max_files is not None:
         if isinstance(max_files, bool) or not isinstance(max_files, int) or max_files < 2:
             raise ValueError(f"max_files must be an int >= 2, got {max_files!r}")
-        keep = sorted(rels, key=lambda p: _split_key(p, seed + 1))[:max_files]
-        rels = {p: rels[p] for p in keep}
-    texts, skipped, skipped_files = {}, {}, []
-    for rel in sorted(rels):
-        text, reason = _read_text(rels[rel])
-        if text is None:
-            skipped[reason] = skipped.get(reason, 0) + 1
-            skipped_files.append(rel)
-        else:
-            texts[rel] = text
+        # Files first (cheap, before reading); a record file counts as one.
+        rels = {p: rels[p] for p in _subset(rels, max_files, seed)}
+    texts, skipped, skipped_files = _read_documents(rels, text_fields)
+    if max_files is not None and len(texts) > max_files:
+        texts = {p: texts[p] for p in _subset(texts, max_files, seed)}
     if not texts:
         raise CorpusError(f"--corpus {spec if spec is not None else root!r}: none of its "
-                          f"{len(rels)} files could be read as UTF-8 text (skipped: {skipped})")
+                          f"{len(rels)} files could be read as UTF-8 text or held a record with "
+                          f"non-blank text (skipped: {skipped})")
     train, valid = split_files(list(texts), valid_fraction, seed)
-    # Files are kept in a seeded hash order rather than sorted by path, so
-    # any prefix (tokenizer sample, a token budget) mixes all packages.
+    # Documents are kept in a seeded hash order rather than sorted by name,
+    # so any prefix (tokenizer sample, a token budget) mixes all packages.
     order = lambda p: _split_key(p, seed + 2)  # noqa: E731
     return Corpus(root=root, train=[(p, texts[p]) for p in sorted(train, key=order)],
                   valid=[(p, texts[p]) for p in sorted(valid, key=order)], skipped=skipped,

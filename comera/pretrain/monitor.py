@@ -149,11 +149,19 @@ class StopFlag:
         self.reason = None
         self._log = log
         self._previous = None
+        self._first = 0.0
+
+    # Under torchrun a terminal's Ctrl-C reaches each worker twice at once
+    # (from the terminal and forwarded by the launcher): a second SIGINT this
+    # soon after the first is the same request, not "abort".
+    REPEAT_S = 1.0
 
     def _handler(self, signum, frame):
         if self.requested:
+            if time.monotonic() - self._first < self.REPEAT_S:
+                return
             raise KeyboardInterrupt
-        self.requested, self.reason = True, "interrupted"
+        self.requested, self.reason, self._first = True, "interrupted", time.monotonic()
         self._log("\nCtrl-C: stopping cleanly after this step (press again to abort)")
 
     def __enter__(self):

@@ -90,17 +90,18 @@ def write_report(run_dir: str, *, config: dict, corpus: dict, tokenizer: dict, d
              f"{p['steps']} steps, peak lr {p['lr']}"
              + (f" (CoMERA {p['lr_comera']})" if p.get("lr_comera") else "")
              + f", seed {config['seed']}.", "",
-             f"Corpus: `{corpus['root']}`: {corpus['train_files']} training files "
-             f"({corpus['train_bytes'] / 1e6:.1f} MB), {corpus['valid_files']} validation files "
+             f"Corpus: `{corpus['root']}`: {corpus['train_files']} training documents "
+             f"({corpus['train_bytes'] / 1e6:.1f} MB), {corpus['valid_files']} validation documents "
              f"({corpus['valid_bytes'] / 1e6:.1f} MB); skipped {sum(corpus['skipped'].values())}"
              + (f" ({', '.join(f'{k}: {v}' for k, v in corpus['skipped'].items())})" if corpus["skipped"] else "")
              + ".",
              f"Tokenizer: byte-level BPE, {tokenizer['vocab_size']} tokens, trained on "
-             f"{tokenizer['tokenizer_files']} training files; {tokenizer['train_tokens']:,} training tokens "
+             f"{tokenizer['tokenizer_files']} training documents; {tokenizer['train_tokens']:,} training tokens "
              f"({data['train_blocks']:,} blocks), {data['valid_blocks']} validation blocks "
              f"({data['valid_masked_tokens']:,} masked tokens, the same masks for every evaluation).", "",
              f"Environment: torch {env['torch']}, device {env['device']}, {env['threads']} threads, "
-             f"Python {env['python']}.", ""]
+             f"Python {env['python']}; {env.get('processes', 1)} process(es), {env.get('precision', 'fp32')}, "
+             f"--grad-accum {env.get('grad_accum', 1)}{', compiled' if env.get('compile') else ''}.", ""]
     if results:
         lines += ["## Results", ""] + _table(results) + [""]
     if metrics["not_run"]:

@@ -14,10 +14,15 @@ from comera.pretrain import tokenizer as tok_mod
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import preset, preset_fields
 from comera.pretrain.monitor import StopFlag, cpu_count
-from comera.pretrain.train import METHODS, Budget, train_method
+from comera.pretrain import distributed
+from comera.pretrain.corpus import DEFAULT_TEXT_FIELDS
+from comera.pretrain.train import METHODS, Budget, Options, train_method
 
 # Settings that change what a run computes: a resumed run must keep them.
-RUN_KEYS = ("preset_name", "preset", "seed", "corpus", "max_files", "valid_fraction", "extensions")
+RUN_KEYS = ("preset_name", "preset", "seed", "corpus", "max_files", "valid_fraction", "extensions",
+            "text_fields")
+# The value of a key that run directories written before it existed imply.
+KEY_DEFAULTS = {"text_fields": list(DEFAULT_TEXT_FIELDS)}
 
 
 def resolve_config(args) -> dict:
@@ -45,7 +50,8 @@ def resolve_config(args) -> dict:
     corpus = None if args.corpus is None else args.corpus
     return {"preset_name": args.preset, "preset": asdict(p), "seed": args.seed, "corpus": corpus,
             "max_files": args.max_files, "valid_fraction": args.valid_fraction,
-            "extensions": list(args.extensions)}
+            "extensions": list(args.extensions),
+            "text_fields": list(getattr(args, "text_field", None) or DEFAULT_TEXT_FIELDS)}
 
 
 def _new_run_dir(base: str = "runs") -> str:
@@ -75,6 +81,8 @@ def prepare_run_dir(args, config: dict) -> str:
             raise ValueError(f"--resume: {out!r} is not a run directory (no config.json)")
         with open(cfg_path) as fh:
             saved = json.load(fh)
+        for k, v in KEY_DEFAULTS.items():
+            saved.setdefault(k, v)
         diff = [k for k in RUN_KEYS if saved.get(k) != config.get(k)]
         if diff:
             details = []
@@ -98,12 +106,8 @@ def prepare_run_dir(args, config: dict) -> str:
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    return dev
+    """The device of a single-process run (see :func:`distributed.pick_device`)."""
+    return distributed.pick_device(name)
 
 
 def set_determinism(device: torch.device) -> None:
@@ -122,67 +126,113 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def run_pretrain(args, log=_log) -> dict:
-    """Runs the whole job described by the parsed ``args``; returns the
-    metrics written to ``metrics.json``."""
-    from comera.pretrain.report import write_report  # matplotlib is only needed here
+def _quiet(message: str) -> None:
+    pass
 
-    methods = list(METHODS) if args.method == "both" else [args.method]
-    config = resolve_config(args)
-    p = preset(args.preset)
-    for k, v in config["preset"].items():
-        setattr(p, k, v)
-    device = pick_device(args.device)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    set_determinism(device)
+
+def _prepare(args, config: dict, p, methods, log) -> dict:
+    """The main process's share before training: corpus (checked before the
+    run directory exists), run directory, tokenizer and token streams, and
+    the results of methods a resumed run already finished."""
     corpus = corpus_mod.load_corpus(config["corpus"], valid_fraction=config["valid_fraction"],
                                     seed=config["seed"], max_files=config["max_files"],
-                                    extensions=config["extensions"])
+                                    extensions=config["extensions"],
+                                    text_fields=config.get("text_fields", DEFAULT_TEXT_FIELDS))
     run_dir = prepare_run_dir(args, config)
-    started = time.time()
     log(f"run directory: {run_dir}")
     info = corpus.describe()
     log(f"corpus: {corpus.root}: {info['train_files']} training / {info['valid_files']} validation "
-        f"files, skipped {sum(info['skipped'].values())} {info['skipped'] or ''}".rstrip())
+        f"documents, skipped {sum(info['skipped'].values())} {info['skipped'] or ''}".rstrip())
     max_mb = p.tokenizer_max_mb
     tok, train_ids, valid_ids, tok_meta = tok_mod.load_or_build(
         run_dir, corpus, vocab_size=p.vocab_size, max_train_tokens=p.max_train_tokens,
         max_valid_tokens=p.valid_blocks * p.seq_len * 2,
         tokenizer_max_bytes=None if max_mb is None else int(max_mb * 1e6), resume=args.resume, log=log)
-    del corpus  # the texts are tokenized; keep their memory out of the measurements
-    data = MLMData(train_ids, valid_ids, seq_len=p.seq_len, batch_size=p.batch_size,
-                   vocab_size=tok.get_vocab_size(), valid_blocks=p.valid_blocks, seed=config["seed"])
-    log(f"data: {train_ids.numel():,} training tokens in {data.train.shape[0]:,} blocks of {p.seq_len}, "
-        f"{data.valid_inputs.shape[0]} validation blocks; device {device}, {torch.get_num_threads()} threads")
+    finished = {}
+    for method in methods:
+        result_path = os.path.join(run_dir, method, "result.json")
+        if args.resume and os.path.isfile(result_path):
+            with open(result_path) as fh:
+                previous = json.load(fh)
+            if previous.get("steps_done", 0) >= p.steps:
+                finished[method] = previous
+    return {"run_dir": run_dir, "corpus": info, "train_ids": train_ids, "valid_ids": valid_ids,
+            "vocab_size": tok.get_vocab_size(), "tokenizer": tok_meta, "finished": finished}
+
+
+def run_pretrain(args, log=_log) -> dict:
+    """Runs the whole job described by the parsed ``args``; returns the
+    metrics written to ``metrics.json``.  Started by torchrun (or another
+    launcher), every process runs it: the main one prepares the data and
+    writes every file, the others train their share of each batch."""
+    methods = list(METHODS) if args.method == "both" else [args.method]
+    config = resolve_config(args)
+    p = preset(args.preset)
+    for k, v in config["preset"].items():
+        setattr(p, k, v)
+    grad_accum = getattr(args, "grad_accum", 1)
+    ctx, device = distributed.setup(args.device)
+    try:
+        distributed.split_batch(p.batch_size, ctx.world, grad_accum)
+        options = Options(ctx=ctx, precision=getattr(args, "precision", "fp32"), grad_accum=grad_accum,
+                          compile=bool(getattr(args, "compile", False)))
+        return _run(args, config, p, methods, device, options, log if ctx.main else _quiet)
+    finally:
+        ctx.close()
+
+
+def _run(args, config, p, methods, device, options: Options, log) -> dict:
+    import comera.pretrain.report  # noqa: F401 - fail now, not after training, without matplotlib
+    ctx = options.ctx
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    set_determinism(device)
+    started = time.time()
+    prep = ctx.from_main(lambda: _prepare(args, config, p, methods, log))
+    run_dir = prep["run_dir"]
+    data = MLMData(prep["train_ids"], prep["valid_ids"], seq_len=p.seq_len, batch_size=p.batch_size,
+                   vocab_size=prep["vocab_size"], valid_blocks=p.valid_blocks, seed=config["seed"])
+    del prep["train_ids"], prep["valid_ids"]  # the blocks hold the tokens now
+    log(f"data: {data.train.shape[0]:,} training blocks of {p.seq_len}, "
+        f"{data.valid_inputs.shape[0]} validation blocks; device {device}, {torch.get_num_threads()} "
+        f"threads, {ctx.world} process(es), {options.precision}, --grad-accum {options.grad_accum}"
+        + (", compiled" if options.compile else ""))
 
     deadline_total = None if args.max_minutes is None else started + 60.0 * args.max_minutes
-    results = {}
+    results = dict(prep["finished"])
+    for method in results:
+        log(f"{method}: already finished ({results[method]['steps_done']} steps)")
     with StopFlag(log) as stop:
         for i, method in enumerate(methods):
-            result_path = os.path.join(run_dir, method, "result.json")
-            if args.resume and os.path.isfile(result_path):
-                with open(result_path) as fh:
-                    previous = json.load(fh)
-                if previous.get("steps_done", 0) >= p.steps:
-                    log(f"{method}: already finished ({previous['steps_done']} steps)")
-                    results[method] = previous
-                    continue
-            if stop.requested:
+            if method in results:
+                continue
+            if ctx.any(stop.requested):
                 break
             deadline = None
             if deadline_total is not None:
                 # Share what is left of the budget among the methods still to run.
                 deadline = time.time() + (deadline_total - time.time()) / (len(methods) - i)
-            results[method] = train_method(
+            results[method] = r = train_method(
                 method, p, data, run_dir, device=device, seed=config["seed"], resume=args.resume,
-                budget=Budget(deadline, args.stop_after), stop=stop, progress=not args.quiet, log=log)
-            with open(result_path, "w") as fh:
-                json.dump(results[method], fh)
-            r = results[method]
+                budget=Budget(deadline, args.stop_after), stop=stop, progress=not args.quiet, log=log,
+                options=options)
+            if ctx.main:
+                with open(os.path.join(run_dir, method, "result.json"), "w") as fh:
+                    json.dump(r, fh)
             log(f"{method}: {r['stopped']} after {r['steps_done']} steps: valid loss {r['valid_loss']:.4f}, "
                 f"{r['tokens_per_s']:,.0f} tokens/s, whole-model compression {r['compression_whole']:.2f}x")
-        interrupted = stop.requested
+        interrupted = ctx.any(stop.requested)
+    metrics = {"interrupted": interrupted}
+    if ctx.main:
+        metrics.update(_write(run_dir, config, prep, data, results, methods, device, options))
+        metrics["interrupted"] = interrupted
+        log(f"report: {os.path.join(run_dir, 'report.md')}")
+    ctx.barrier()  # every process ends after the files are written
+    return metrics
+
+
+def _write(run_dir, config, prep, data, results, methods, device, options: Options) -> dict:
+    from comera.pretrain.report import write_report  # matplotlib is only needed here
     # Methods run earlier into this directory (e.g. one method at a time) join the report.
     for method in METHODS:
         path = os.path.join(run_dir, method, "result.json")
@@ -190,9 +240,8 @@ def run_pretrain(args, log=_log) -> dict:
             with open(path) as fh:
                 results[method] = json.load(fh)
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
-           "threads": torch.get_num_threads(), "cpu_count": cpu_count(), "platform": platform.platform()}
-    metrics = write_report(run_dir, config=config, corpus=info, tokenizer=tok_meta, data=data.describe(),
-                           results=results, requested=methods, env=env)
-    log(f"report: {os.path.join(run_dir, 'report.md')}")
-    metrics["interrupted"] = interrupted
-    return metrics
+           "threads": torch.get_num_threads(), "cpu_count": cpu_count(), "platform": platform.platform(),
+           "processes": options.ctx.world, "backend": options.ctx.backend,
+           "precision": options.precision, "grad_accum": options.grad_accum, "compile": options.compile}
+    return write_report(run_dir, config=config, corpus=prep["corpus"], tokenizer=prep["tokenizer"],
+                        data=data.describe(), results=results, requested=methods, env=env)

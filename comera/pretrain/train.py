@@ -4,43 +4,26 @@ clean stops (Ctrl-C, a time budget) and exact resumption."""
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comera import persistence
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
 from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
+from comera.pretrain.distributed import Context
+from comera.pretrain.step import MLMObjective, Stepper, evaluate  # noqa: F401 - evaluate: this module's API
 
 METHODS = ("dense", "comera")
 
 
 def mlm_loss_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
-    """(summed cross-entropy, number of predicted tokens).  The output layer
-    only runs on the masked positions: the same loss as scoring every
-    position and ignoring the rest, at a fraction of the cost."""
-    hidden = model.roberta(input_ids=inputs).last_hidden_state
-    chosen = labels != -100
-    logits = model.lm_head(hidden[chosen])
-    return F.cross_entropy(logits.float(), labels[chosen], reduction="sum"), int(chosen.sum())
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: MLMData, device: torch.device, batch_size: int) -> float:
-    """Mean validation MLM loss per predicted token (fixed masks)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for inputs, labels in data.valid_batches(batch_size):
-        loss, n = mlm_loss_sum(model, inputs.to(device), labels.to(device))
-        total += float(loss)
-        count += n
-    model.train(was_training)
-    return total / max(1, count)
+    """(summed cross-entropy, number of predicted tokens) of a batch: see
+    :class:`comera.pretrain.step.MLMObjective`."""
+    return MLMObjective(model)(inputs, labels), int((labels != -100).sum())
 
 
 def method_lr(method: str, p: Preset) -> float:
@@ -132,138 +115,207 @@ class Budget:
         self.deadline, self.stop_after = deadline, stop_after
 
 
+@dataclass
+class Options:
+    """How each step is computed: the processes (``ctx``), ``precision``
+    (``"fp32"`` or ``"bf16"`` autocast), ``grad_accum`` micro-batches per
+    step, and ``compile`` (torch.compile of the forward)."""
+    ctx: Optional[Context] = None
+    precision: str = "fp32"
+    grad_accum: int = 1
+    compile: bool = False
+
+
+def _new_totals() -> dict:
+    return {"train_time_s": 0.0, "wall_time_s": 0.0, "tokens": 0, "peak_memory_bytes": 0,
+            "peak_memory_growth_bytes": 0}
+
+
+def _resume(path, model, optimizer, schedule, controller, ctx: Context, log) -> tuple:
+    """(step, history, totals) from the checkpoint at ``path``, or a fresh
+    start; every process must find the same checkpoint."""
+    state = persistence.load_training_state(path) if os.path.exists(path) else None
+    step = state["step"] if state is not None else 0
+    if ctx.max(step) != step or ctx.max(-step) != -step:
+        raise ValueError(f"--resume: the processes found different checkpoints at {path!r} (this one: "
+                         f"{'step ' + str(step) if state else 'none'}); with several machines the run "
+                         "directory must be on a file system that every machine reads")
+    if state is None:
+        return 0, _new_history(), _new_totals()
+    persistence.load_state_dict(model, state["model"])  # pruned TT layers resize first
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    if controller is not None:
+        controller.load_state_dict(state["controller"])
+    persistence.set_rng_state(state["rng"])
+    log(f"resumed from {path} at step {step}")
+    return step, state["history"], state["totals"]
+
+
+def _stop_reason(stop: StopFlag, budget: Budget, steps_this_run: int, ctx: Context) -> Optional[str]:
+    """Why to stop before the next step, the same in every process (the
+    first process to see Ctrl-C or the deadline stops them all)."""
+    code = 1 if stop.requested else 2 if budget.deadline is not None and time.time() >= budget.deadline else 0
+    code = ctx.max(code)
+    if code == 1:
+        return stop.reason or "interrupted"
+    if code == 2:
+        return "time budget (--max-minutes)"
+    if budget.stop_after is not None and steps_this_run >= budget.stop_after:
+        return "--stop-after"
+    return None
+
+
+class _MethodRun:
+    """The state of one method's training in this process: model, optimizer,
+    schedule, controller, step and history, and what saves and scores them."""
+
+    def __init__(self, method: str, p: Preset, data: MLMData, run_dir: str, device: torch.device,
+                 seed: int, resume: bool, opt: Options, log: Callable):
+        self.method, self.p, self.data, self.device, self.opt = method, p, data, device, opt
+        self.ctx = ctx = opt.ctx if opt.ctx is not None else Context(device=device)
+        mdir = os.path.join(run_dir, method)
+        if ctx.main:
+            os.makedirs(mdir, exist_ok=True)
+        self.path = os.path.join(mdir, "checkpoint.pt")
+        self.memory = PeakMemory(device)
+        # Measured from before the model exists: it and its optimizer state count.
+        self.memory.reset()
+        build = build_comera if method == "comera" else build_dense
+        self.model = build(p, data.vocab_size, seed).to(device).train()
+        self.optimizer = make_optimizer(self.model, p, method_lr(method, p))
+        self.schedule = make_schedule(self.optimizer, p)
+        # The controller balances the TT layers when built (before any optimizer
+        # state exists); attached, it runs after every optimizer.step().
+        self.controller = make_controller(self.model, p) if method == "comera" else None
+        if resume:
+            self.step, self.history, self.totals = _resume(
+                self.path, self.model, self.optimizer, self.schedule, self.controller, ctx,
+                lambda m: log(f"{method}: {m}"))
+        else:
+            self.step, self.history, self.totals = 0, _new_history(), _new_totals()
+        if self.step == 0:
+            torch.manual_seed(seed)
+        # Its gate-sync hook (several processes) must run before the controller's.
+        self.stepper = Stepper(self.model, self.optimizer, device=device, ctx=ctx, precision=opt.precision,
+                               grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip)
+        if self.controller is not None:
+            self.controller.attach(self.optimizer)
+        self.t_start = time.perf_counter()
+        self.wall_before = self.totals["wall_time_s"]
+
+    def save_checkpoint(self) -> None:
+        totals = self.totals
+        totals["wall_time_s"] = self.wall_before + time.perf_counter() - self.t_start
+        peak = self.memory.peak()
+        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
+        totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
+                                                 peak - self.memory.baseline)
+        if not self.ctx.main:
+            return
+        c = self.controller
+        persistence.save_training_state(self.path, {
+            "method": self.method, "step": self.step, "model": self.model.state_dict(),
+            "tt_ranks": persistence.tt_shapes(self.model), "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(), "controller": c.state_dict() if c is not None else None,
+            "rng": persistence.rng_state(), "history": self.history, "totals": totals,
+            "preset": asdict(self.p), "finished": self.step >= self.p.steps})
+
+    def score(self) -> float:
+        return evaluate(self.model, self.data, self.device, self.p.batch_size, ctx=self.ctx,
+                        precision=self.opt.precision)
+
+    def train_step(self) -> float:
+        """One step, recorded in the history and totals; returns its loss."""
+        t0 = time.perf_counter()
+        loss_value = self.stepper.step(*self.data.batch(self.step))
+        lr = self.schedule.get_last_lr()[0]
+        self.schedule.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        self.totals["train_time_s"] += time.perf_counter() - t0
+        self.totals["tokens"] += self.p.batch_size * self.p.seq_len  # the global batch
+        self.history["step"].append(self.step)
+        self.history["loss"].append(loss_value)
+        self.history["lr"].append(lr)
+        return loss_value
+
+    def tokens_per_s(self) -> float:
+        return self.totals["tokens"] / max(self.totals["train_time_s"], 1e-9)
+
+    def close(self) -> None:
+        self.stepper.close()
+        if self.controller is not None:
+            self.controller.detach()
+
+
 def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device: torch.device,
                  seed: int, resume: bool, budget: Budget, stop: StopFlag, progress: bool = True,
-                 log: Callable = print) -> dict:
+                 log: Callable = print, options: Optional[Options] = None) -> dict:
     """Trains ``method`` for ``p.steps`` steps (or until stopped) and returns
     its result: metrics and history, also written to
-    ``run_dir/<method>/result.json`` by the caller.
+    ``run_dir/<method>/result.json`` by the caller.  Under several processes
+    (``options.ctx``) every process calls it; only the main one writes.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    mdir = os.path.join(run_dir, method)
-    os.makedirs(mdir, exist_ok=True)
-    path = os.path.join(mdir, "checkpoint.pt")
-    vocab = data.vocab_size
-    memory = PeakMemory(device)
-    # Measured from before the model exists: it and its optimizer state count.
-    memory.reset()
-    model = build_comera(p, vocab, seed) if method == "comera" else build_dense(p, vocab, seed)
-    model.to(device).train()
-    optimizer = make_optimizer(model, p, method_lr(method, p))
-    schedule = make_schedule(optimizer, p)
-    # The controller balances the TT layers when built (before any optimizer
-    # state exists); attached, it runs after every optimizer.step().
-    controller = make_controller(model, p) if method == "comera" else None
-
-    step, history = 0, _new_history()
-    totals = {"train_time_s": 0.0, "wall_time_s": 0.0, "tokens": 0, "peak_memory_bytes": 0,
-              "peak_memory_growth_bytes": 0}
-    if resume and os.path.exists(path):
-        state = persistence.load_training_state(path)
-        persistence.load_state_dict(model, state["model"])  # pruned TT layers resize first
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        if controller is not None:
-            controller.load_state_dict(state["controller"])
-        persistence.set_rng_state(state["rng"])
-        step, history, totals = state["step"], state["history"], state["totals"]
-        log(f"{method}: resumed from {path} at step {step}")
-    else:
-        torch.manual_seed(seed)
-    if controller is not None:
-        controller.attach(optimizer)
-
-    t_start = time.perf_counter()
-    wall_before = totals["wall_time_s"]
-    bar = Progress(p.steps, every=p.log_every, enabled=progress, prefix=f"{method:>6} ")
-    tokens_per_step = p.batch_size * p.seq_len
-    stop_reason = "finished" if step >= p.steps else None
+    r = _MethodRun(method, p, data, run_dir, device, seed, resume, options or Options(), log)
+    history, controller = r.history, r.controller
+    bar = Progress(p.steps, every=p.log_every, enabled=progress and r.ctx.main, prefix=f"{method:>6} ")
+    stop_reason = "finished" if r.step >= p.steps else None
     steps_this_run = 0
-    conv, whole = (history["compression"][-1][1], history["whole_compression"][-1][1]) \
-        if history["compression"] else _record_structure(history, model, step, controller)
-
-    def save_checkpoint():
-        totals["wall_time_s"] = wall_before + time.perf_counter() - t_start
-        peak = memory.peak()
-        totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
-        totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
-                                                 peak - memory.baseline)
-        persistence.save_training_state(path, {
-            "method": method, "step": step, "model": model.state_dict(),
-            "tt_ranks": persistence.tt_shapes(model), "optimizer": optimizer.state_dict(),
-            "schedule": schedule.state_dict(),
-            "controller": controller.state_dict() if controller is not None else None,
-            "rng": persistence.rng_state(), "history": history, "totals": totals,
-            "preset": asdict(p),
-            "finished": step >= p.steps})
-
-    while step < p.steps:
-        if stop.requested:
-            stop_reason = stop.reason
+    conv = history["compression"][-1][1] if history["compression"] else \
+        _record_structure(history, r.model, r.step, controller)[0]
+    while r.step < p.steps:
+        stop_reason = _stop_reason(stop, budget, steps_this_run, r.ctx)
+        if stop_reason is not None:
             break
-        if budget.deadline is not None and time.time() >= budget.deadline:
-            stop_reason = "time budget (--max-minutes)"
-            break
-        if budget.stop_after is not None and steps_this_run >= budget.stop_after:
-            stop_reason = "--stop-after"
-            break
-        t0 = time.perf_counter()
-        inputs, labels = data.batch(step)
-        inputs, labels = inputs.to(device), labels.to(device)
-        loss_sum, count = mlm_loss_sum(model, inputs, labels)
-        loss = loss_sum / count
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), p.clip)
-        optimizer.step()        # the attached controller runs its stage step here
-        lr = schedule.get_last_lr()[0]
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss.detach())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        step += 1
+        loss_value = r.train_step()
         steps_this_run += 1
-        totals["train_time_s"] += dt
-        totals["tokens"] += tokens_per_step
-        history["step"].append(step)
-        history["loss"].append(loss_value)
-        history["lr"].append(lr)
+        step = r.step
         if not math.isfinite(loss_value):
             stop_reason = "loss is not finite"
             log(f"{method}: stopping at step {step}: the training loss is {loss_value}")
             break
         if step % p.log_every == 0 or step == p.steps:
-            memory.sample()
-            history["tokens_per_s"].append([step, totals["tokens"] / max(totals["train_time_s"], 1e-9)])
-            conv, whole = _record_structure(history, model, step, controller)
+            r.memory.sample()
+            history["tokens_per_s"].append([step, r.tokens_per_s()])
+            conv = _record_structure(history, r.model, step, controller)[0]
         if step % p.eval_every == 0 or step == p.steps:
-            history["valid"].append([step, evaluate(model, data, device, p.batch_size)])
+            history["valid"].append([step, r.score()])
         if step % p.checkpoint_every == 0 and step < p.steps:
-            save_checkpoint()
-        stage = stage_name(controller)
-        bar.update(step, loss=loss_value, tokens_per_s=totals["tokens"] / max(totals["train_time_s"], 1e-9),
-                   stage=stage, compression=conv)
+            r.save_checkpoint()
+        bar.update(step, loss=loss_value, tokens_per_s=r.tokens_per_s(), stage=stage_name(controller),
+                   compression=conv)
     bar.close()
-    if stop_reason is None:
-        stop_reason = "finished"
+    r.stepper.close()
     # Always end on an evaluation of the current weights, for the report.
-    if not history["valid"] or history["valid"][-1][0] != step:
-        history["valid"].append([step, evaluate(model, data, device, p.batch_size)])
-    if step >= p.steps and controller is not None:
-        # Finished: cut dead ranks for good, so the saved model is small.
+    if not history["valid"] or history["valid"][-1][0] != r.step:
+        history["valid"].append([r.step, r.score()])
+    if r.step >= p.steps and controller is not None:
+        # Finished: cut dead ranks for good, so the saved model is small (the
+        # gates are the same in every process, so are the cuts).
         import comera
-        comera.prune(model, optimizer)
-    if not history["compression"] or history["compression"][-1][0] != step:
-        conv, whole = _record_structure(history, model, step, controller)
-    save_checkpoint()
+        comera.prune(r.model, r.optimizer)
+    if not history["compression"] or history["compression"][-1][0] != r.step:
+        _record_structure(history, r.model, r.step, controller)
+    r.save_checkpoint()
+    result = _result(method, r.model, controller, p, r.step, stop_reason or "finished", history,
+                     r.totals, r.memory)
+    r.close()
+    del r, controller  # the controller holds the model
+    release_memory()
+    return result
+
+
+def _result(method, model, controller, p, step, stop_reason, history, totals, memory) -> dict:
     counts = count_parameters(model)
     summary = None
     if controller is not None:
         import comera
         summary = comera.summary(model) if hasattr(comera, "summary") else None
-    result = {
+    return {
         "method": method, "steps_done": step, "steps_planned": p.steps, "stopped": stop_reason,
         "parameters": counts,
         "compression_converted": (counts["converted_dense"] / counts["converted_tt"]
@@ -277,8 +329,3 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
         "peak_memory_growth_bytes": totals["peak_memory_growth_bytes"],
         "final_ranks": persistence.tt_live_ranks(model), "summary": summary, "history": history,
     }
-    if controller is not None:
-        controller.detach()
-    del model, optimizer, schedule, controller
-    release_memory()
-    return result
