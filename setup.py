@@ -96,7 +96,9 @@ def _cuda_choice():
         sys.exit(f"COMERA_CUDA must be auto, nvcc, 0 or 1, got {want!r}")
     if want == "0":
         return False, "off (COMERA_CUDA=0)"
-    if cpp_extension.CUDA_HOME is None and want != "auto":
+    if want == "auto" and torch.version.cuda is None:
+        return False, "off (auto: torch has no CUDA; COMERA_CUDA=nvcc builds it anyway)"
+    if cpp_extension.CUDA_HOME is None:
         # a CPU build of torch leaves CUDA_HOME unset; nvcc and the stable
         # headers are all comera._C_cuda needs, so look for the toolkit the
         # way torch does (CUDA_HOME, CUDA_PATH, the folder above nvcc)
@@ -105,18 +107,12 @@ def _cuda_choice():
         if home is None and nvcc_path is not None:
             home = os.path.dirname(os.path.dirname(nvcc_path))
         cpp_extension.CUDA_HOME = home
-    nvcc = cpp_extension.CUDA_HOME is not None and os.path.exists(
-        os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
-    )
-    if want == "1":
-        if not nvcc:
+    home = cpp_extension.CUDA_HOME
+    if home is None or not os.path.exists(os.path.join(home, "bin", "nvcc")):
+        if want == "1":
             sys.exit("COMERA_CUDA=1 but nvcc was not found (set CUDA_HOME)")
-        return True, "on (COMERA_CUDA=1)"
-    if not nvcc:
         return False, f"off ({want}: nvcc not found)"
-    if want == "auto" and torch.version.cuda is None:
-        return False, "off (auto: torch has no CUDA; COMERA_CUDA=nvcc builds it anyway)"
-    return True, f"on ({want})"
+    return True, f"on (COMERA_CUDA={want})"
 
 
 def _site_dirs():
