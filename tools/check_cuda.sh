@@ -5,8 +5,9 @@
 #     macros torch's CUDA extensions add (no implicit half conversions);
 #  2. where a virtual environment with a CUDA build of torch exists
 #     ($CUDA_VENV, default .venv-cuda; `make venv-cuda` makes one), the whole
-#     extension builds with COMERA_CUDA=1 into build/cuda-ext, links, imports,
-#     and has CUDA kernels registered for its operators.
+#     extension builds with COMERA_CUDA=1 into build/cuda-ext (comera._C and
+#     comera._C_cuda), links, imports, and has CUDA kernels registered for
+#     its operators.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -45,6 +46,7 @@ ops = ["tt_linear", "tt_linear_backward", "gate_prox_", "tt_embedding",
 missing = [op for op in ops
            if not torch._C._dispatch_has_kernel_for_dispatch_key("comera::" + op, "CUDA")]
 assert not missing, f"no CUDA kernel registered for {missing}"
+assert comera.cuda_kernels().startswith("loaded:"), comera.cuda_kernels()
 print(f"check-cuda: extension built with torch {torch.__version__} (CUDA {torch.version.cuda}), "
       f"imported from {comera.__file__}; CUDA kernels registered for {', '.join(ops)}")
 PY

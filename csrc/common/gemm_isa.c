@@ -18,7 +18,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(COMERA_NO_CLONES)
@@ -161,37 +162,46 @@ static int cpu_runs(const comera_gemm_variant *v) {
     return strcmp(v->name, "generic") == 0;
 }
 
-static const comera_gemm_variant *in_use;
-static pthread_once_t choose_once = PTHREAD_ONCE_INIT;
-
 /* COMERA_ISA unset, empty or "auto": the best variant the CPU runs.  A name
  * the CPU cannot run, or not built, or unknown: a warning on stderr and the
  * automatic choice (a typo must not stop a training run; tests check the
  * variant they asked for with comera_gemm_isa()). */
-static void choose_variant(void) {
+static const comera_gemm_variant *choose_variant(void) {
     const comera_gemm_variant *best = &VARIANTS[NVARIANTS - 1];
     for (int i = NVARIANTS - 1; i >= 0; i--)
         if (cpu_runs(&VARIANTS[i])) best = &VARIANTS[i];
-    in_use = best;
     const char *want = getenv("COMERA_ISA");
-    if (!want || !*want || strcmp(want, "auto") == 0) return;
+    if (!want || !*want || strcmp(want, "auto") == 0) return best;
     for (int i = 0; i < NVARIANTS; i++)
         if (strcmp(want, VARIANTS[i].name) == 0) {
-            if (cpu_runs(&VARIANTS[i])) {
-                in_use = &VARIANTS[i];
-                return;
-            }
+            if (cpu_runs(&VARIANTS[i])) return &VARIANTS[i];
             fprintf(stderr, "comera: COMERA_ISA=%s: this CPU cannot run it; using %s\n",
                     want, best->name);
-            return;
+            return best;
         }
     fprintf(stderr, "comera: COMERA_ISA=%s is not one of avx512, avx2, generic, auto "
             "(or not built here); using %s\n", want, best->name);
+    return best;
 }
 
+/* The choice, made once per process: the first caller chooses (so a warning
+ * prints once), any other caller meanwhile waits for it.  C11 atomics rather
+ * than pthread_once, whose symbol newer glibc versions GLIBC_2.34: that
+ * would lift the wheel's platform tag above manylinux_2_28 (setup.py). */
+static _Atomic(const comera_gemm_variant *) in_use;
+static atomic_int choosing;
+
 const comera_gemm_variant *comera_gemm_variant_in_use(void) {
-    pthread_once(&choose_once, choose_variant);
-    return in_use;
+    const comera_gemm_variant *v = atomic_load_explicit(&in_use, memory_order_acquire);
+    if (v) return v;
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&choosing, &expected, 1)) {
+        v = choose_variant();
+        atomic_store_explicit(&in_use, v, memory_order_release);
+        return v;
+    }
+    while (!(v = atomic_load_explicit(&in_use, memory_order_acquire))) sched_yield();
+    return v;
 }
 
 const char *comera_gemm_isa(void) {

@@ -128,11 +128,14 @@ Tensor gate_prox_(std::vector<Tensor> gates, std::vector<Tensor> signs, double t
 
 }  // namespace
 
+// comera._C (built without COMERA_WITH_CUDA) registers the CPU kernels;
+// comera._C_cuda (this file compiled with it, csrc/cuda_module.cpp)
+// registers the CUDA ones: each kernel is registered once.
+#ifndef COMERA_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(comera, CPU, m) {
     m.impl("gate_prox_", TORCH_BOX(&gate_prox_));
 }
-
-#ifdef COMERA_WITH_CUDA
+#else
 STABLE_TORCH_LIBRARY_IMPL(comera, CUDA, m) {
     m.impl("gate_prox_", TORCH_BOX(&gate_prox_));
 }

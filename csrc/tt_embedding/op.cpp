@@ -394,13 +394,16 @@ Tensor tt_embedding_plan(Tensor indices_in, std::optional<Tensor> offsets_in,
 
 }  // namespace
 
+// comera._C (built without COMERA_WITH_CUDA) registers the CPU kernels;
+// comera._C_cuda (this file compiled with it, csrc/cuda_module.cpp)
+// registers the CUDA ones: each kernel is registered once.
+#ifndef COMERA_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(comera, CPU, m) {
     m.impl("tt_embedding", TORCH_BOX(&tt_embedding));
     m.impl("tt_embedding_backward", TORCH_BOX(&tt_embedding_backward));
     m.impl("tt_embedding_plan", TORCH_BOX(&tt_embedding_plan));
 }
-
-#ifdef COMERA_WITH_CUDA
+#else
 STABLE_TORCH_LIBRARY_IMPL(comera, CUDA, m) {
     m.impl("tt_embedding", TORCH_BOX(&tt_embedding));
     m.impl("tt_embedding_backward", TORCH_BOX(&tt_embedding_backward));

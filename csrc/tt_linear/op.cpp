@@ -311,18 +311,21 @@ Tensor tt_linear_plan(std::vector<int64_t> in_modes, std::vector<int64_t> out_mo
 
 }  // namespace
 
+// comera._C (built without COMERA_WITH_CUDA) registers the CPU kernels;
+// comera._C_cuda (this file compiled with it, csrc/cuda_module.cpp)
+// registers the CUDA ones: each kernel is registered once.
+#ifndef COMERA_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(comera, CPU, m) {
     m.impl("tt_linear", TORCH_BOX(&tt_linear));
     m.impl("tt_linear_backward", TORCH_BOX(&tt_linear_backward));
 }
 
-#ifdef COMERA_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(comera, CompositeExplicitAutograd, m) {
+    m.impl("tt_linear_plan", TORCH_BOX(&tt_linear_plan));
+}
+#else
 STABLE_TORCH_LIBRARY_IMPL(comera, CUDA, m) {
     m.impl("tt_linear", TORCH_BOX(&tt_linear));
     m.impl("tt_linear_backward", TORCH_BOX(&tt_linear_backward));
 }
 #endif
-
-STABLE_TORCH_LIBRARY_IMPL(comera, CompositeExplicitAutograd, m) {
-    m.impl("tt_linear_plan", TORCH_BOX(&tt_linear_plan));
-}
