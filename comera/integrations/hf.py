@@ -110,6 +110,8 @@ class RankAdaptiveCallback(TrainerCallback):
     # ------------------------------------------------------------- events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         resume, self._resume_dir = self._resume_dir, None
+        if state.global_step == 0:
+            resume = None   # left by a resume that failed before training began
         if state.global_step > 0 and resume is None:
             raise RuntimeError(
                 f"RankAdaptiveCallback: training resumes at step {state.global_step}, but the "
