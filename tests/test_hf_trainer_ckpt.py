@@ -222,3 +222,13 @@ def test_checkpoint_of_another_conversion_raises(tmp_path):
 def test_patch_trainer_bad_input():
     with pytest.raises(TypeError, match="transformers.Trainer"):
         hf.patch_trainer(object())
+
+
+def test_patched_trainer_still_resumes_a_dense_model(tmp_path):
+    """Folders without a comera record go to the Trainer's own reader."""
+    full = comera.to_dense(_model(0))
+    _trainer(full, tmp_path / "a").train()
+    assert os.path.isfile(tmp_path / "a" / "checkpoint-4" / "model.safetensors")
+    resumed = comera.to_dense(_model(1))
+    _trainer(resumed, tmp_path / "b").train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
+    _assert_same(_state(resumed), _state(full))
