@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -71,6 +72,9 @@ class SavePretrained:
         is_main = args[0] if args else kwargs.get("is_main_process", True)
         if is_main:
             finish_folder(self.model, os.fspath(save_directory))
+        if "transformers.trainer" in sys.modules:   # a Trainer checkpoint it could not reload
+            from comera.integrations.hf_checkpoints import check_save
+            check_save()
         return result
 
 

@@ -111,7 +111,8 @@ def test_example_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "hf_trainer.py"), "--steps", "12",
          "--batch-size", "4", "--seq-len", "32", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT})   # this checkout's comera, not an installed one
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reloaded model matches: True" in out.stdout
     assert "stage 2" in out.stdout

@@ -5,7 +5,9 @@
   process, then re-wrap the model, since DDP's gradient buckets are built for
   the old parameter shapes).
 - :mod:`comera.integrations.hf`: ``RankAdaptiveCallback`` for the Hugging Face
-  ``transformers.Trainer`` (transformers is imported only when that module is).
+  ``transformers.Trainer`` and ``patch_trainer`` for resuming from / loading the best of
+  a converted model's Trainer checkpoints (:mod:`comera.integrations.hf_checkpoints`);
+  transformers is imported only when these modules are.
 
 Nothing here is imported by ``import comera``.
 """
