@@ -6,7 +6,6 @@ import json
 import os
 import resource
 
-import torch
 
 def keep_freed_memory():
     """Keeps freed memory in glibc's heap instead of unmapping it, so that a

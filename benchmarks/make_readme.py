@@ -75,6 +75,8 @@ GPU machine.
 
 # (result name, what it answers[, what to say while it is missing]).
 SECTIONS = [
+    ("peers_cpu_linear", "comera against its peers: TT linear layers (issue 18 protocol)",
+     "Not run yet: `python benchmarks/bench_peers.py --part linear --threads 1` writes it."),
     ("peers_cpu", "comera against its peers (issue 8, part 1)"),
     ("transformer_cpu", "The paper's six-encoder transformer (issue 8, part 2)"),
     ("accuracy_cpu", "Accuracy against compression (issue 8, part 3)",
@@ -136,7 +138,10 @@ def section(name: str, title: str, missing: str = "") -> str:
         parts.append(note)
     with open(md_path) as fh:
         parts.append(demote(fh.read()))
-    pngs = sorted(glob.glob(os.path.join(RESULTS, name + "*.png")))
+    # a longer result name that starts with this one owns its own plots
+    others = [e[0] for e in SECTIONS if e[0] != name and e[0].startswith(name)]
+    pngs = sorted(p for p in glob.glob(os.path.join(RESULTS, name + "*.png"))
+                  if not any(os.path.basename(p).startswith(o) for o in others))
     already = set()
     for p in pngs:
         rel = "results/" + os.path.basename(p)

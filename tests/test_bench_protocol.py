@@ -140,3 +140,18 @@ def test_claims_codebert_verdict_follows_the_measured_entry(tmp_path, monkeypatc
     row = write(6.9, 200.0, 5.0)                        # loss 15% worse than dense
     assert row[-1] == "not met" and "+15.0%" in row[1] and "3.0x at the first step" in row[1]
     assert claims.dlrm_row()[-1] == "not measured"      # no result file: never "met"
+
+
+def test_make_readme_flags_results_measured_before_the_protocol(tmp_path, monkeypatch):
+    import make_readme
+    monkeypatch.setattr(make_readme, "RESULTS", str(tmp_path))
+    (tmp_path / "peers_cpu.md").write_text("# old table\n")
+    (tmp_path / "peers_cpu.json").write_text(json.dumps({"clock": "cpu"}))
+    assert "to be regenerated" in make_readme.section("peers_cpu", "Peers")
+    (tmp_path / "peers_cpu.json").write_text(json.dumps({"clock": "wall", "interleaved": True}))
+    assert "to be regenerated" not in make_readme.section("peers_cpu", "Peers")
+    # a longer result name keeps its plots to itself
+    for png in ("peers_cpu_step_time.png", "peers_cpu_linear_linear_time.png"):
+        (tmp_path / png).write_bytes(b"\x89PNG")
+    text = make_readme.section("peers_cpu", "Peers")
+    assert "peers_cpu_step_time.png" in text and "peers_cpu_linear_linear_time.png" not in text

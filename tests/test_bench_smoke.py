@@ -188,7 +188,8 @@ def test_galore_step_time_amortises_its_svd_step():
 def test_benchmark_docstring_examples_run():
     import doctest
     import importlib
-    for name in ("peers", "train_step", "timing", "code_docstring", "plots", "bench_codesearch"):
+    for name in ("peers", "train_step", "timing", "code_docstring", "plots", "bench_codesearch",
+                 "claims"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.failed == 0 and result.attempted > 0, name
 
