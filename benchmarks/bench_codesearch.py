@@ -207,7 +207,9 @@ def markdown(p, args):
           f"by validation MRR with seed {args.seeds[0]}, then test MRR once per seed "
           f"({', '.join(map(str, args.seeds))}): mean +- standard deviation. Each query ranks its "
           f"code among the {p['methods']['dense']['zero_shot_test']['pool']} codes of its pool "
-          "(1 true + the rest distractors).\n",
+          "(1 true + the rest distractors)" + (
+              f"; {args.pool} were asked, the held-out split has fewer pairs" if
+              p["methods"]["dense"]["zero_shot_test"]["pool"] < args.pool else "") + ".\n",
           "| encoder | encoder params | chosen lr | validation MRR (chosen) | test MRR | test MRR "
           "before fine-tuning |", "|---|---|---|---|---|---|"]
     for m, r in p["methods"].items():
@@ -241,7 +243,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     q = args.quick
     for k, v in {"steps": 4 if q else 200, "batch": 8 if q else 32, "pool": 8 if q else 1000,
-                 "lr_grid": [1e-4, 1e-3] if q else [3e-5, 1e-4, 3e-4], "doc_len": 16 if q else 32,
+                 "lr_grid": [1e-4, 1e-3] if q else [1e-4, 3e-4, 1e-3], "doc_len": 16 if q else 32,
                  "code_len": 32 if q else 64}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -169,8 +169,15 @@ def markdown(entries: dict, device: str) -> str:
                      + machine_line(e["machine"]))
     legacy = [k for k in sorted(entries) if "per_seed" not in entries[k]]
     if legacy:
-        lines += ["", "Older one-seed runs, before the protocol above (no machine record, a single "
-                  "seed): " + ", ".join(f"`{k}`" for k in legacy) + " are kept in the JSON only."]
+        lines += ["", "Older runs, before the protocol above (one seed, no machine record, final "
+                  "compression only; the thread count is the run's own record):", "",
+                  "| preset | steps | loss diff % | speed-up | whole-model compression (last) | command |",
+                  "|---|---|---|---|---|---|"]
+        for k in legacy:
+            e, c = entries[k], entries[k]["comparison"]
+            lines.append(f"| {e['preset']} | {e['steps']} | {100 * c['valid_loss_relative_difference']:+.2f} | "
+                         f"{c['speedup_tokens_per_s']:.2f}x | {c['compression_whole']:.2f}x | "
+                         f"`{e['command']}` ({e['environment']['threads']} threads) |")
     return "\n".join(lines) + "\n"
 
 
