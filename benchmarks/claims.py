@@ -58,8 +58,8 @@ def _accuracy_at_40x(acc):
     _, comp, best, whole = max(cands, key=lambda c: c[2])
     gap = (dense - best) * 100
     return (f"{acc['preset']} preset ({acc['config']['layers']} layers, hidden {acc['config']['hidden']}): "
-            f"{comp:.0f}x encoder / {whole:.2f}x whole model at {gap:+.2f} points below dense "
-            f"({seeds})"), gap
+            f"{comp:.0f}x encoder / {whole:.2f}x whole model at {abs(gap):.2f} points "
+            f"{'below' if gap >= 0 else 'above'} dense ({seeds})"), gap
 
 
 def six_encoder_row():
@@ -78,8 +78,10 @@ def six_encoder_row():
     cmds = f"`python benchmarks/bench_transformer.py {t['flags']}`"
     if acc is not None:
         cmds += f"; `python benchmarks/bench_accuracy.py {acc['flags']}`"
-    # the accuracy half has no measurement on the six-encoder model itself
-    return [claim, measured, cmds, _verdict([max(whole) >= 43.0, None])]
+    # The accuracy half has no measurement on the six-encoder model itself; the
+    # smaller model stands in for it only to fail it (it cannot prove it).
+    proxy = None if gap is None or gap <= ACCURACY_POINTS else False
+    return [claim, measured, cmds, _verdict([max(whole) >= 43.0, proxy])]
 
 
 def codebert_row():
