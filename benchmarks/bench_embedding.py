@@ -148,6 +148,7 @@ def _status_kb(field):
 
 def memory_worker(kind, num, dim, rank, steps):
     """Runs in a subprocess: `steps` AdamW steps, prints one JSON line."""
+    assert_threads(int(os.environ["OMP_NUM_THREADS"]))  # set by bench_memory
     for warm in (make_layer("dense", 64, 8, 2), make_layer("tt", 64, 8, 2)):  # lazy imports
         opt = torch.optim.AdamW(warm.parameters())
         warm(torch.tensor([1, 2])).square().mean().backward()
@@ -202,7 +203,8 @@ def memory_worker(kind, num, dim, rank, steps):
 def bench_memory(kind, num, dim, rank, steps):
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-worker", kind, str(num), str(dim),
            str(rank), str(steps)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    # Memory does not depend on the thread count: one thread, asserted in the worker.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(res.stdout.strip().splitlines()[-1])
 

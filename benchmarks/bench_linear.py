@@ -128,7 +128,7 @@ def main():
                                         ("matmul merge", "matmul_merge")):
                         rows[-1][f"peak_mem_{key}_bytes"] = peak_memory_subprocess(
                             "bench_linear", {"method": method, "in": in_f, "out": out_f,
-                                             "rank": rank})
+                                             "rank": rank}, threads=nt)
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "timing"}))
     finish_record(machine)
     payload = {"machine": machine, "glibc_keep_freed_memory": heap_cache, "dtype": "float32",

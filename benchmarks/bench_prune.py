@@ -13,14 +13,14 @@ measured in the same run (allocate + fill those outputs) and the ratio of the
 times above it is reported as well.
 
     python benchmarks/bench_prune.py             # 4096 and 1024 rows
-    python benchmarks/bench_prune.py --rows 4096 --reps 5
-    python benchmarks/bench_prune.py --threads 1 --clock cpu   # a busy shared machine
+    python benchmarks/bench_prune.py --rows 4096 --reps 5 --threads 1
 
-Writes benchmarks/results/prune_cpu.json and prune_cpu.md (with --clock cpu:
-prune_cpu_cputime.*).  --clock cpu times with the process's CPU time rather
-than the wall clock, which on a machine shared with other jobs leaves out the
-time the process waited for a core (use it with --threads 1, since CPU time
-adds up over threads).
+The four calls of a row (full, masked, pruned, output floor) are timed
+interleaved by wall clock (benchmarks/timing.py: warm-up, rounds in rotating
+order, median and interquartile range; process CPU time in the JSON), so a
+change of machine load hits them alike.  Writes
+benchmarks/results/prune_cpu.json and prune_cpu.md with the machine record
+(which also holds the sgemm and copy rates the roofline uses).
 
 Allocation note: every call allocates y and dx afresh; glibc serves blocks
 this large with mmap, so each call also pays first-touch page faults on
@@ -29,26 +29,14 @@ MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 keeps
 that memory in the heap; the table records which MALLOC_* settings a run had.
 """
 import argparse
+import copy
 import os
-import statistics
-import time
 
 import torch
 
 import comera
-from common import copy_bandwidth, machine_info, sgemm_flops, time_fn, write_results
-
-
-def cpu_time_fn(fn, *, warmup=2, reps=7):
-    """Median process CPU time of fn() in seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times)
+from common import write_results
+from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
 
 def step_fn(layer, x, gy):
@@ -75,81 +63,95 @@ def costs(layer, rows, flops_rate, bw):
             "roofline_s": max(c["flops"] / flops_rate, c["bytes"] / bw)}
 
 
-def main():
+def time_row(rows, rank, live, reps, flops_rate, bw):
+    """One row: the full layer, a copy masked to `live` ranks, a pruned copy
+    and the output floor, timed interleaved."""
+    torch.manual_seed(0)
+    layer = comera.TTLinear(768, 3072, rank=rank)
+    masked = copy.deepcopy(layer)
+    with torch.no_grad():
+        for g in masked.gates:
+            g[live:] = 0
+    pruned = copy.deepcopy(masked)
+    comera.prune(pruned)
+    x = torch.randn(rows, 768, requires_grad=True)
+    gy = torch.randn(rows, 3072)
+    t = interleaved({"full": step_fn(layer, x, gy), "masked": step_fn(masked, x, gy),
+                     "pruned": step_fn(pruned, x, gy), "floor": output_floor_fn(rows, 768, 3072)},
+                    reps=reps, warmup=2)
+    med = {k: v["wall"]["median"] for k, v in t.items()}
+    full = dict(costs(layer, rows, flops_rate, bw), ranks=layer.ranks, time_s=med["full"])
+    pr = dict(costs(pruned, rows, flops_rate, bw), ranks=pruned.ranks, time_s=med["pruned"])
+    return {
+        "rows": rows, "full": full, "masked_time_s": med["masked"], "pruned": pr,
+        "output_floor_s": med["floor"], "timing": t,
+        "above_floor_ratio": (full["time_s"] - med["floor"]) / max(pr["time_s"] - med["floor"], 1e-9),
+        "time_ratio": full["time_s"] / pr["time_s"],
+        "flop_ratio": full["flops"] / pr["flops"],
+        "roofline_ratio": full["roofline_s"] / pr["roofline_s"],
+        "masked_over_pruned": med["masked"] / pr["time_s"],
+    }
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[4096, 1024])
     ap.add_argument("--rank", type=int, default=30)
     ap.add_argument("--live", type=int, default=10)
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    args = ap.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu needs --threads 1 (CPU time adds up over threads)")
-    timer = time_fn if args.clock == "wall" else cpu_time_fn
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args(argv)
     malloc_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
-    torch.set_num_threads(args.threads)
-    flops_rate, bw = sgemm_flops(), copy_bandwidth()
+    assert_threads(args.threads)
+    machine = machine_record()
+    flops_rate, bw = machine["sgemm_flops_per_s"], machine["copy_bytes_per_s"]
     cases = []
     for rows in args.rows:
-        torch.manual_seed(0)
-        layer = comera.TTLinear(768, 3072, rank=args.rank)
-        x = torch.randn(rows, 768, requires_grad=True)
-        gy = torch.randn(rows, 3072)
-        full = dict(costs(layer, rows, flops_rate, bw), ranks=layer.ranks,
-                    time_s=timer(step_fn(layer, x, gy), reps=args.reps))
-        with torch.no_grad():
-            for g in layer.gates:
-                g[args.live:] = 0
-        masked_s = timer(step_fn(layer, x, gy), reps=args.reps)
-        comera.prune(layer)
-        pruned = dict(costs(layer, rows, flops_rate, bw), ranks=layer.ranks,
-                      time_s=timer(step_fn(layer, x, gy), reps=args.reps))
-        floor_s = timer(output_floor_fn(rows, 768, 3072), reps=args.reps)
-        case = {
-            "rows": rows, "full": full, "masked_time_s": masked_s, "pruned": pruned,
-            "output_floor_s": floor_s,
-            "above_floor_ratio": (full["time_s"] - floor_s) / max(pruned["time_s"] - floor_s, 1e-9),
-            "time_ratio": full["time_s"] / pruned["time_s"],
-            "flop_ratio": full["flops"] / pruned["flops"],
-            "roofline_ratio": full["roofline_s"] / pruned["roofline_s"],
-            "masked_over_pruned": masked_s / pruned["time_s"],
-        }
+        case = time_row(rows, args.rank, args.live, args.reps, flops_rate, bw)
         cases.append(case)
+        full, pruned, floor_s = case["full"], case["pruned"], case["output_floor_s"]
         print(f"rows {rows}: {full['ranks']} {full['time_s'] * 1e3:.1f} ms -> {pruned['ranks']} "
-              f"{pruned['time_s'] * 1e3:.1f} ms (masked {masked_s * 1e3:.1f} ms): time "
+              f"{pruned['time_s'] * 1e3:.1f} ms (masked {case['masked_time_s'] * 1e3:.1f} ms): time "
               f"{case['time_ratio']:.2f}x (above the {floor_s * 1e3:.1f} ms output floor "
               f"{case['above_floor_ratio']:.2f}x), FLOPs {case['flop_ratio']:.2f}x, roofline "
               f"{case['roofline_ratio']:.2f}x", flush=True)
+    finish_record(machine)
+    payload = {"machine": machine, "dtype": "float32", "layer": "TTLinear(768, 3072)",
+               "rank": args.rank, "live_rank": args.live, "clock": "wall", "interleaved": True,
+               "reps": args.reps, "malloc_env": malloc_env, "cases": cases}
+    write_results("prune_cpu", payload, markdown(payload, args), out_dir=args.out)
+    return payload
 
-    payload = {"machine": machine_info(), "sgemm_flops_per_s": flops_rate,
-               "copy_bytes_per_s": bw, "dtype": "float32", "layer": "TTLinear(768, 3072)",
-               "rank": args.rank, "live_rank": args.live, "clock": args.clock,
-               "malloc_env": malloc_env, "cases": cases}
+
+def markdown(payload, args):
+    malloc_env = payload["malloc_env"]
     md = [f"# Pruning: TTLinear 768 -> 3072, rank {args.rank} -> live rank {args.live}, "
           "forward+backward, CPU, float32\n",
-          f"Machine: {payload['machine']['processor']}, {args.threads} threads, torch "
-          f"{torch.__version__}, {args.clock} clock; sgemm {flops_rate / 1e9:.1f} GFLOP/s, copy {bw / 1e9:.1f} GB/s "
-          "(measured in the same run). Masked: dead ranks zeroed but still computed (no "
-          "pruning). Ratios are full / pruned; roofline = max(plan flops / sgemm, plan bytes "
-          "/ copy); floor = allocating and writing y and dx alone, and the ratio of the times "
-          "above it. glibc malloc settings: "
+          machine_line(payload["machine"]),
+          "Wall clock, median [interquartile range] of interleaved rounds (full, masked, pruned and "
+          "floor timed round-robin in one process). Masked: dead ranks zeroed but still computed "
+          "(no pruning). Ratios are full / pruned (of the medians); roofline = max(plan flops / "
+          "sgemm, plan bytes / copy); floor = allocating and writing y and dx alone, and the ratio "
+          "of the times above it. glibc malloc settings: "
           f"{' '.join(f'{k}={v}' for k, v in malloc_env.items()) or 'defaults'}.\n",
-          "| rows | ranks | path | ms | masked ms | pruned ranks | path | pruned ms | time ratio "
-          "| FLOP ratio | roofline ratio | floor ms | ratio above floor | masked / pruned |",
+          "| rows | ranks | path | ms [IQR] | masked ms | pruned ranks | path | pruned ms [IQR] | "
+          "time ratio | FLOP ratio | roofline ratio | floor ms | ratio above floor | masked / pruned |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in cases:
-        f, p = c["full"], c["pruned"]
-        md.append(f"| {c['rows']} | {f['ranks']} | {f['path']} | {f['time_s'] * 1e3:.1f} | "
-                  f"{c['masked_time_s'] * 1e3:.1f} | {p['ranks']} | {p['path']} | "
-                  f"{p['time_s'] * 1e3:.1f} | {c['time_ratio']:.2f}x | {c['flop_ratio']:.2f}x | "
-                  f"{c['roofline_ratio']:.2f}x | {c['output_floor_s'] * 1e3:.1f} | "
-                  f"{c['above_floor_ratio']:.2f}x | {c['masked_over_pruned']:.2f}x |")
-    flags = "" if args.clock == "wall" else f" --threads {args.threads} --clock cpu"
+    for c in payload["cases"]:
+        f, p, t = c["full"], c["pruned"], c["timing"]
+        md.append(f"| {c['rows']} | {f['ranks']} | {f['path']} | {f['time_s'] * 1e3:.1f} "
+                  f"[{t['full']['wall']['iqr'] * 1e3:.1f}] | {c['masked_time_s'] * 1e3:.1f} | "
+                  f"{p['ranks']} | {p['path']} | {p['time_s'] * 1e3:.1f} "
+                  f"[{t['pruned']['wall']['iqr'] * 1e3:.1f}] | {c['time_ratio']:.2f}x | "
+                  f"{c['flop_ratio']:.2f}x | {c['roofline_ratio']:.2f}x | "
+                  f"{c['output_floor_s'] * 1e3:.1f} | {c['above_floor_ratio']:.2f}x | "
+                  f"{c['masked_over_pruned']:.2f}x |")
     env = "".join(f"{k}={v} " for k, v in malloc_env.items())
-    md.append(f"\nReproduce: `{env}python benchmarks/bench_prune.py{flags}` (after `make install`).\n")
-    write_results("prune_cpu" if args.clock == "wall" else "prune_cpu_cputime", payload,
-                  "\n".join(md) + "\n")
+    md.append(f"\nReproduce: `{env}python benchmarks/bench_prune.py --rows "
+              f"{' '.join(map(str, args.rows))} --reps {args.reps} --threads {args.threads}` "
+              "(after `make install`).\n")
+    return "\n".join(md) + "\n"
 
 
 if __name__ == "__main__":

@@ -12,12 +12,16 @@ word embedding in TT format, rank 30):
    machinery at full size, not a converged training;
 3. training-step time and whole-process peak memory at batch 1, 8 and 32:
    dense AdamW, comera at rank 30, and comera pruned to the largest target
-   (train_step.py, one fresh subprocess per case).
+   (train_step.py): memory in one fresh subprocess per method, time with
+   every method of a batch size in one subprocess, interleaved (wall clock,
+   median and interquartile range; CPU time in the JSON).  Each subprocess
+   gets --threads and OMP_NUM_THREADS and asserts the count.
 
-    python benchmarks/bench_transformer.py --threads 1 --clock cpu
+    python benchmarks/bench_transformer.py --threads 1
     python benchmarks/bench_transformer.py --quick      # tiny preset, seconds
 
-Writes benchmarks/results/transformer_cpu.{json,md} and PNG plots.
+Writes benchmarks/results/transformer_cpu.{json,md} and PNG plots, with the
+machine record.
 """
 import argparse
 import copy
@@ -31,9 +35,10 @@ import torch.nn.functional as F
 
 import comera
 import code_docstring
-from common import (RESULTS, case_subprocess, keep_freed_memory, machine_info, write_results)
+from common import RESULTS, case_subprocess, keep_freed_memory, write_results
 from encoder import PRESETS, build_model
-from train_step import run_case as run_step_case
+from timing import assert_threads, finish_record, machine_line, machine_record
+from train_step import run_case as run_step_case, time_methods
 
 BATCHES = [1, 8, 32]
 TARGETS = [100.0, 200.0, 361.0]
@@ -78,10 +83,12 @@ def rank_adaptive(cfg, args, state_dir):
     ra = comera.RankAdaptive(model, gamma=args.gamma, threshold=args.threshold,
                              stage1_steps=args.stage1, stage2_steps=0, prune_every=25)
     start = comera.compression(model)
+    n_dense = sum(p.numel() for p in build_model(cfg, "dense").parameters())
     t0 = time.perf_counter()
     losses = [_step(model, opt, ra, batch(s)) for s in range(args.stage1)]
     comera.prune(model, opt)
-    rows = [{"stage": "start (rank %d)" % args.rank, "target": None, "tt_layer_compression": start},
+    rows = [{"stage": "start (rank %d)" % args.rank, "target": None, "tt_layer_compression": start,
+             "params": sum(p.numel() for p in build_model(cfg, "comera", rank=args.rank).parameters())},
             {"stage": "after stage 1", "target": None, "steps": args.stage1,
              "tt_layer_compression": comera.compression(model), "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
              "seconds": time.perf_counter() - t0,
@@ -100,38 +107,48 @@ def rank_adaptive(cfg, args, state_dir):
                      "reached_target": bool(ra2.frozen),
                      "tt_layer_compression": comera.compression(m2),
                      "loss_last10": sum(losses[-10:]) / len(losses[-10:]), "seconds": time.perf_counter() - t0,
-                     "params": n_params, "mb": n_params * 4 / 2**20})
+                     "params": n_params, "mb": n_params * 4 / 2**20,
+                     "target_overshoot": comera.compression(m2) / target - 1.0})
         print(json.dumps(rows[-1]), flush=True)
         if target == max(args.targets):
             best_path = os.path.join(state_dir, f"pruned_{target:g}.pt")
             torch.save(m2.state_dict(), best_path)
             rows[-1]["summary"] = comera.summary(m2)
         del m2, o2, ra2
+    for r in rows:
+        r["model_compression"] = n_dense / r["params"]
     return rows, best_path
 
 
 def step_cases(args, preset, pruned_path):
-    methods = [("dense AdamW", None), ("comera", None)]
+    methods = [("dense AdamW", "dense AdamW", None), ("comera", "comera", None)]
     if pruned_path:
-        methods.append(("comera", pruned_path))
+        methods.append((f"comera pruned to {max(args.targets):g}x", "comera", pruned_path))
+
+    def run(case):
+        if args.in_process:
+            return time_methods(case) if case["kind"] == "step_time" else run_step_case(case)
+        return case_subprocess("bench_transformer", case, args.threads)
+
     out = []
     for batch in args.batches:
         row = {"batch": batch, "methods": {}}
-        for method, state in methods:
-            label = method if state is None else f"comera pruned to {max(args.targets):g}x"
-            case = {"kind": "step", "method": method, "preset": preset, "batch": batch,
-                    "rank": args.rank, "reps": args.step_reps, "budget_s": args.budget,
-                    "state_path": state}
-            res = run_step_case(case) if args.in_process else case_subprocess("bench_transformer", case)
-            res["step_s"] = res[f"step_{args.clock}_s"]
-            res["first_step_s"] = res[f"first_step_{args.clock}_s"]
-            row["methods"][label] = res
+        for label, method, state in methods:
+            row["methods"][label] = run({"kind": "step", "method": method, "preset": preset,
+                                         "batch": batch, "rank": args.rank, "reps": 1,
+                                         "state_path": state})
+        t = run({"kind": "step_time", "preset": preset, "batch": batch, "rank": args.rank,
+                 "methods": [list(m) for m in methods], "reps": args.step_reps,
+                 "budget_s": args.budget})
+        for label, tm in t["methods"].items():
+            row["methods"][label].update(wall=tm["wall"], cpu=tm["cpu"], step_s=tm["wall"]["median"],
+                                         step_cpu_s=tm["cpu"]["median"])
         d = row["methods"]["dense AdamW"]
         row["speedup_vs_dense"] = {k: d["step_s"] / v["step_s"] for k, v in row["methods"].items()}
         row["memory_reduction_vs_dense"] = {k: d["peak_bytes"] / max(1, v["peak_bytes"])
                                             for k, v in row["methods"].items()}
         out.append(row)
-        print(json.dumps({k: v for k, v in row.items()}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "methods"}), flush=True)
     return out
 
 
@@ -141,10 +158,8 @@ def markdown(p, args):
     md = ["# The paper's six-encoder transformer: dense against comera (CPU, float32)\n",
           f"Preset `{p['preset']}`: {cfg['layers']} layers, hidden {cfg['hidden']}, FFN {cfg['ffn']}, "
           f"{cfg['heads']} heads, vocab {cfg['vocab']}, sequence {cfg['seq']}, {cfg['classes']}-way head. "
-          f"comera: every encoder linear and the word embedding in TT format, rank {args.rank}. "
-          f"Machine: {p['machine']['processor']}, {args.threads} thread(s), torch {p['machine']['torch']}, "
-          f"1-minute load average {p['loadavg_before_after'][0]:.1f} before / "
-          f"{p['loadavg_before_after'][1]:.1f} after (a shared machine).\n",
+          f"comera: every encoder linear and the word embedding in TT format, rank {args.rank}.\n",
+          machine_line(p["machine"]) + "\n",
           "## Size\n",
           "| model | parameters | MB (fp32) | TT-layer compression | whole-model compression |",
           "|---|---|---|---|---|",
@@ -156,27 +171,32 @@ def markdown(p, args):
                f"Stage 1: {args.stage1} steps (gamma {args.gamma:g}, threshold {args.threshold:g}); "
                f"stage 2: {args.stage2} steps per target; batch {args.ra_batch}, AdamW lr {args.lr:g}, "
                "code-docstring data. TT-layer compression = dense parameters of the TT layers over "
-               "their live TT parameters; MB = the whole pruned model.\n",
-               "| stage | target | reached | TT-layer compression | model params | model MB | loss (last 10) |",
-               "|---|---|---|---|---|---|---|"]
+               "their live TT parameters; whole-model compression = the dense model's parameters "
+               "over the pruned model's (the position embeddings, layer norms and head stay "
+               "dense); MB = the whole pruned model.\n",
+               "| stage | target | reached | TT-layer compression | whole-model compression | "
+               "model params | model MB | loss (last 10) |",
+               "|---|---|---|---|---|---|---|---|"]
         for r in p["rank_adaptive"]:
             tgt = "-" if r.get("target") is None else f"{r['target']:g}x"
             reached = "-" if "reached_target" not in r else ("yes" if r["reached_target"] else "no")
             params = r.get("params", s["comera_params"])
             loss = f"{r['loss_last10']:.3f}" if "loss_last10" in r else "-"
             md.append(f"| {r['stage']} | {tgt} | {reached} | {r['tt_layer_compression']:.1f}x | "
-                      f"{params:,} | {params * 4 / 2**20:.1f} | {loss} |")
-    clock = "process CPU time" if args.clock == "cpu" else "wall-clock time"
+                      f"{r['model_compression']:.1f}x | {params:,} | {params * 4 / 2**20:.1f} | {loss} |")
     md += ["\n## Training step\n",
-           f"Median {clock} per step after one warm-up step; peak = whole-process peak RSS during the "
+           "Wall clock per step: median [interquartile range] of interleaved rounds (every method "
+           "of a batch size in one process, round-robin, after one warm-up step each; CPU time in "
+           "the JSON); peak = whole-process peak RSS during the "
            "steps minus the RSS before the model was built (weights, grads, AdamW state, activations), "
            "taken after one step of a tiny model of the same method so that modules and code loaded "
            "once per process are not counted.\n",
-           "| batch | method | step ms | peak MB | speed-up vs dense | memory reduction vs dense |",
+           "| batch | method | step ms [IQR] | peak MB | speed-up vs dense | memory reduction vs dense |",
            "|---|---|---|---|---|---|"]
     for r in p["steps"]:
         for k, v in r["methods"].items():
-            md.append(f"| {r['batch']} | {k} | {v['step_s'] * 1e3:.1f} | {mb(v['peak_bytes'])} | "
+            md.append(f"| {r['batch']} | {k} | {v['step_s'] * 1e3:.1f} [{v['wall']['iqr'] * 1e3:.1f}] | "
+                      f"{mb(v['peak_bytes'])} | "
                       f"{r['speedup_vs_dense'][k]:.2f}x | {r['memory_reduction_vs_dense'][k]:.2f}x |")
     md.append(f"\nReproduce: `python benchmarks/bench_transformer.py {p['flags']}`.\n")
     return "\n".join(md) + "\n"
@@ -200,8 +220,8 @@ def plots(p, out_dir, name):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads of this process and of every case subprocess (asserted there)")
     ap.add_argument("--rank", type=int, default=30)
     ap.add_argument("--stage1", type=int, default=None)
     ap.add_argument("--stage2", type=int, default=None)
@@ -211,7 +231,7 @@ def main(argv=None):
     ap.add_argument("--ra-batch", type=int, default=None)
     ap.add_argument("--targets", type=float, nargs="+", default=None)
     ap.add_argument("--batches", type=int, nargs="+", default=None)
-    ap.add_argument("--step-reps", type=int, default=3)
+    ap.add_argument("--step-reps", type=int, default=5)
     ap.add_argument("--budget", type=float, default=None)
     ap.add_argument("--max-files", type=int, default=None)
     ap.add_argument("--max-train", type=int, default=None)
@@ -220,10 +240,11 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    assert_threads(args.threads)
     heap_cache = keep_freed_memory()
     if args.case:
-        print(json.dumps(run_step_case(json.loads(args.case))))
+        case = json.loads(args.case)
+        print(json.dumps(time_methods(case) if case["kind"] == "step_time" else run_step_case(case)))
         return None
     q = args.quick
     defaults = {"stage1": 4 if q else 100, "stage2": 4 if q else 100, "ra_batch": 4 if q else 8,
@@ -236,15 +257,15 @@ def main(argv=None):
     args.in_process = args.in_process or q
     preset = "tiny" if q else "paper"
     cfg = PRESETS[preset]
-    load_before = os.getloadavg()
-    p = {"machine": machine_info(), "glibc_keep_freed_memory": heap_cache, "preset": preset,
-         "config": cfg.as_dict(), "rank": args.rank, "clock": args.clock,
+    p = {"machine": machine_record(measure=not q), "glibc_keep_freed_memory": heap_cache,
+         "preset": preset, "config": cfg.as_dict(), "rank": args.rank, "clock": "wall",
+         "interleaved": True,
          "size": size_report(cfg, args.rank)}
     print(p["size"]["summary"].splitlines()[-1], flush=True)
     with tempfile.TemporaryDirectory() as state_dir:
         p["rank_adaptive"], pruned = rank_adaptive(cfg, args, state_dir)
         p["steps"] = step_cases(args, preset, pruned)
-    p["loadavg_before_after"] = [load_before[0], os.getloadavg()[0]]
+    finish_record(p["machine"])
     p["flags"] = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                           for k, v in sorted(vars(args).items())
                           if k not in ("quick", "out", "cache_dir", "case", "in_process") and v is not None)

@@ -99,22 +99,31 @@ def _is_test(path: str) -> bool:
     return int(hashlib.sha1(path.encode()).hexdigest(), 16) % 5 == 0  # 20% of files
 
 
-def collect(roots: Sequence[str], max_files: int = 4000, seed: int = 0):
+def _is_valid(path: str) -> bool:
+    """About 1 in 8 of the training files (a second, independent hash), held
+    out as the validation split that hyperparameters are chosen on."""
+    return int(hashlib.sha1(("valid:" + path).encode()).hexdigest(), 16) % 8 == 0
+
+
+def collect(roots: Sequence[str], max_files: int = 4000, seed: int = 0, valid: bool = False):
     """(train, test) lists of (doc, body) pairs from up to `max_files` .py
-    files (a seeded sample, sorted paths first so the sample is stable)."""
+    files (a seeded sample, sorted paths first so the sample is stable);
+    with `valid`, (train, valid, test): the validation pairs come from
+    training-split files of their own (no file in two splits)."""
     files = sorted(p for r in roots for p in glob.glob(os.path.join(r, "**", "*.py"), recursive=True))
     rng = random.Random(seed)
     if len(files) > max_files:
         files = sorted(rng.sample(files, max_files))
-    train, test, seen = [], [], set()
+    train, valid_f, test, seen = [], [], [], set()
     for path in files:
         rel = min((os.path.relpath(path, r) for r in roots if path.startswith(r)), key=len)
+        split = test if _is_test(rel) else valid_f if valid and _is_valid(rel) else train
         for pair in functions_in_file(path):
             if pair in seen:
                 continue
             seen.add(pair)
-            (test if _is_test(rel) else train).append(pair)
-    return train, test
+            split.append(pair)
+    return (train, valid_f, test) if valid else (train, test)
 
 
 def make_pairs(funcs: List[Tuple[str, str]], seed: int) -> List[Tuple[str, str, int]]:
@@ -201,29 +210,41 @@ def split_pair(ids: torch.Tensor, segments: torch.Tensor, padding: torch.Tensor,
 
 
 def load(vocab_size: int, seq: int, *, max_files: int = 4000, doc_tokens: int = 32,
-         max_train: int = None, max_test: int = None, seed: int = 0, cache_dir: str = None):
+         max_train: int = None, max_test: int = None, seed: int = 0, cache_dir: str = None,
+         valid: bool = False):
     """Encoded (train, test) sets and the stats of the build; cached as a
-    torch file keyed by the arguments (building parses a few thousand files)."""
+    torch file keyed by the arguments (building parses a few thousand files).
+    With `valid` a "valid" set too, from training-split files of its own
+    (collect), capped at `max_test` pairs; the vocabulary comes from the
+    training split alone either way."""
     key = hashlib.sha1(repr((FORMAT, source_roots(), vocab_size, seq, max_files, doc_tokens, max_train,
-                             max_test, seed)).encode()).hexdigest()[:16]
+                             max_test, seed) + ((True,) if valid else ())).encode()).hexdigest()[:16]
     cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "comera-bench")
     path = os.path.join(cache_dir, f"code_docstring_{key}.pt")
     if os.path.exists(path):
         return torch.load(path)
     # the parsed functions are cached on their own: other encodings reuse them
-    fkey = hashlib.sha1(repr((FORMAT, source_roots(), max_files, seed)).encode()).hexdigest()[:16]
+    fkey = hashlib.sha1(repr((FORMAT, source_roots(), max_files, seed) + ((True,) if valid else ()))
+                        .encode()).hexdigest()[:16]
     fpath = os.path.join(cache_dir, f"functions_{fkey}.pt")
     if os.path.exists(fpath):
-        train_f, test_f = torch.load(fpath)
+        splits = torch.load(fpath)
     else:
-        train_f, test_f = collect(source_roots(), max_files=max_files, seed=seed)
+        splits = collect(source_roots(), max_files=max_files, seed=seed, valid=valid)
         os.makedirs(cache_dir, exist_ok=True)
-        torch.save((train_f, test_f), fpath)
+        torch.save(splits, fpath)
+    train_f, test_f = splits[0], splits[-1]
+    valid_f = splits[1] if valid else None
     rng = random.Random(seed)
     if max_train is not None and len(train_f) > max_train:
         train_f = rng.sample(train_f, max_train)
     if max_test is not None and len(test_f) > max_test:
         test_f = rng.sample(test_f, max_test)
+    if valid and max_test is not None and len(valid_f) > max_test:
+        valid_f = rng.sample(valid_f, max_test)
+    if valid and len(valid_f) < 4:
+        raise ValueError(f"max_files={max_files} gave {len(valid_f)} validation functions; expected "
+                         "at least 4 (raise max_files)")
     if len(train_f) < 4 or len(test_f) < 4:
         raise ValueError(f"max_files={max_files} gave {len(train_f)} training and {len(test_f)} "
                          "test functions; expected at least 4 of each (raise max_files)")
@@ -236,6 +257,10 @@ def load(vocab_size: int, seq: int, *, max_files: int = 4000, doc_tokens: int = 
              "test_positive_fraction": float(test.labels.float().mean()),
              "unk_rate_test": float((test.ids == UNK).sum() / (~test.padding).sum())}
     out = {"train": train.__dict__, "test": test.__dict__, "stats": stats}
+    if valid:
+        valid_e = encode(make_pairs(valid_f, seed + 2), vocab, seq, doc_tokens)
+        out["valid"] = valid_e.__dict__
+        stats["valid_pairs"] = len(valid_f)
     os.makedirs(cache_dir, exist_ok=True)
     torch.save(out, path)
     return out

@@ -1,16 +1,11 @@
-"""Shared helpers for the benchmarks: timing, peak memory in a subprocess,
-machine calibration, and writing JSON + Markdown results."""
+"""Shared helpers for the benchmarks: peak memory (in this process and in a
+subprocess with the thread count asked), case subprocesses and writing JSON +
+Markdown results.  Timing and the machine record live in timing.py."""
 import ctypes
 import json
 import os
-import platform
 import resource
-import statistics
-import subprocess
-import sys
-import time
 
-import torch
 
 def keep_freed_memory():
     """Keeps freed memory in glibc's heap instead of unmapping it, so that a
@@ -29,61 +24,21 @@ def keep_freed_memory():
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def time_fn(fn, *, warmup=2, reps=7, min_seconds=0.0):
-    """Median wall time of fn() in seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    t_end = time.perf_counter() + min_seconds
-    while len(times) < reps or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 10 * reps:
-            break
-    return statistics.median(times)
-
-
 def max_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_memory_subprocess(module, case: dict, timeout=300):
-    """Runs `python -m <module> --memory-case JSON` in a fresh process and
-    returns the bytes it reports: the growth of the peak RSS during one
-    measured step, over the RSS after its inputs were built."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-m", module, "--memory-case", json.dumps(case)],
-                         capture_output=True, text=True, timeout=timeout, env=env, cwd=here)
+def peak_memory_subprocess(module, case: dict, threads: int = 1, timeout=300):
+    """Runs `python -m <module> --memory-case JSON --threads N` in a fresh
+    process (OMP_NUM_THREADS=N too; the case asserts it) and returns the
+    bytes it reports: the growth of the peak RSS during one measured step,
+    over the RSS after its inputs were built."""
+    from timing import threaded_subprocess
+    out = threaded_subprocess(["-m", module, "--memory-case", json.dumps(case)], threads,
+                              timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"memory subprocess failed: {out.stderr[-2000:]}")
     return int(out.stdout.strip().splitlines()[-1])
-
-
-def sgemm_flops(n=2048):
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t = time_fn(lambda: torch.mm(a, b), warmup=2, reps=5)
-    return 2.0 * n ** 3 / t
-
-
-def copy_bandwidth(nbytes=256 << 20):
-    src = torch.empty(nbytes // 4).uniform_()
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), warmup=2, reps=7)
-    return 2.0 * nbytes / t  # read + write
-
-
-def machine_info():
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
 
 
 def write_results(name, payload, table_md, out_dir=None):
@@ -97,7 +52,7 @@ def write_results(name, payload, table_md, out_dir=None):
 
 
 # --------------------------------------------------------------------------
-# Whole-process memory accounting (training steps) and bounded timing.
+# Whole-process memory accounting (training steps).
 
 def rss_bytes():
     """The process's current resident set size."""
@@ -139,44 +94,19 @@ def release_freed_memory():
         return False
 
 
-def time_bounded(fn, *, reps=5, budget_s=60.0, min_reps=0):
-    """Times fn() without letting a slow method eat the run: the first call is
-    the warm-up; then calls are repeated until `reps` are done or `budget_s`
-    seconds have passed, but at least `min_reps` of them (and at least one
-    unless the warm-up alone took longer than the budget).
-
-    Returns {"median_s", "cpu_median_s", "reps", "first_s", "first_cpu_s"}:
-    wall-clock and process CPU time (all threads; on a machine shared with
-    other jobs the CPU time of a one-thread run is the stable measure of the
-    work done).  reps 0 means only the warm-up was timed, and the medians
-    are its times."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
-    times, cpu = [], []
-    if first <= budget_s or min_reps > 0:
-        start = time.perf_counter()
-        while len(times) < reps:
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-            if time.perf_counter() - start >= budget_s and len(times) >= min_reps:
-                break
-    return {"median_s": statistics.median(times) if times else first,
-            "cpu_median_s": statistics.median(cpu) if cpu else first_cpu,
-            "reps": len(times), "first_s": first, "first_cpu_s": first_cpu}
-
-
-def case_subprocess(module, case: dict, timeout=1800):
-    """Runs `python -m <module> --case JSON` in a fresh process (so each
-    method's memory is measured on its own) and returns the JSON object that
-    the case prints on its last line of output."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-m", module, "--case", json.dumps(case)],
-                         capture_output=True, text=True, timeout=timeout, env=env, cwd=here)
+def case_subprocess(module, case: dict, threads: int, timeout=1800):
+    """Runs `python -m <module> --case JSON --threads N` in a fresh process
+    (so each method's memory is measured on its own) with OMP_NUM_THREADS=N
+    (timing.threaded_subprocess), and returns the JSON object that the case
+    prints on its last line of output.  The case asserts its thread count
+    itself (timing.assert_threads) and reports it; a result that ran with
+    any other count is refused here too."""
+    from timing import threaded_subprocess
+    out = threaded_subprocess(["-m", module, "--case", json.dumps(case)], threads, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"case {case} failed: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    got = {r.get("threads") for r in (res if isinstance(res, list) else [res])}
+    if got != {threads}:
+        raise RuntimeError(f"case {case} asked for {threads} threads but reported {sorted(map(str, got))}")
+    return res

@@ -6,10 +6,17 @@ script only gathers them, in a fixed order, with their PNG plots, so the
 README can never disagree with the stored results.
 
     python benchmarks/make_readme.py          # after running the benchmarks
+
+It also rewrites the paper-claims table of the top-level README.md (between
+its ``<!-- claims:start -->`` and ``<!-- claims:end -->`` markers) from the
+same result files (claims.py).
 """
 import glob
+import json
 import os
 import sys
+
+from claims import claims_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -27,19 +34,55 @@ Setup (the peers are benchmark-only dependencies, in the `bench` extra):
     pip install --no-build-isolation -e ".[bench]"   # tensorly, tensorly-torch, galore-torch, matplotlib
 
 or simply `make install`. Each script has a `--quick` mode (tiny sizes, seconds) that
-`tests/test_bench_smoke.py` runs.
+`tests/test_bench_smoke.py` and `tests/test_bench_protocol.py` run.
 
 The CPU results come from a shared 2-core virtual machine; its load average is recorded with
 each run. The GPU script (`benchmarks/gpu_check.sh`) writes `gpu_*` results when it is run on a
 GPU machine.
+
+## How we measure
+
+- One timing helper, `benchmarks/timing.py`, for every benchmark. Wall clock is the headline;
+  process CPU time is kept as an extra column (in the JSON).
+- Methods compared with each other are built in one process and timed **interleaved**: a
+  warm-up call of each, then rounds that call every method once in a rotating order, so a change
+  in machine load hits all of them alike. Every time is a median with its spread (min, max,
+  interquartile range) and the number of rounds.
+- Memory is measured apart, in a fresh subprocess per method (peak RSS growth).
+- Every subprocess gets the thread count as `--threads N` and `OMP_NUM_THREADS=N` and asserts it
+  (`timing.assert_threads`); a case that reports another count is refused. The thread count in a
+  table is the one the numbers ran with.
+- Every result JSON and table carries the machine record: CPU model, ISA flags, cores, torch and
+  its BLAS, sgemm and copy rates measured in the same run, threads, and the load average before
+  and after. The command that reproduces a table is printed under it.
+- GaLore recomputes its projections (one SVD per projected weight) every `update_proj_gap`
+  steps; its step time is the steady step plus the extra cost of an SVD step divided by the gap,
+  both timed in the same interleaved rounds.
+- Peers are compared at the same rank and, for tensorly-torch, also at the rank that gives
+  comera's parameter count.
+
+## How we tune
+
+- Hyperparameters (the learning rate) are chosen on a **validation split** carved from the
+  training data by file, never on the test split.
+- Every method, dense included, picks from the **same grid** with the **same budget** (steps,
+  batches, schedule, optimizer).
+- The test split is scored only after the choice, once per seed, at the chosen setting.
+- Wherever accuracy or loss are compared: at least **3 seeds**, mean +- standard deviation.
+- Compression is reported for the compressed layers **and** for the whole model; for rank-adaptive
+  runs also at the first step (the starting ranks alone) and at the last.
 """
 
 # (result name, what it answers[, what to say while it is missing]).
 SECTIONS = [
+    ("peers_cpu_linear", "comera against its peers: TT linear layers (issue 18 protocol)",
+     "Not run yet: `python benchmarks/bench_peers.py --part linear --threads 1` writes it."),
     ("peers_cpu", "comera against its peers (issue 8, part 1)"),
     ("transformer_cpu", "The paper's six-encoder transformer (issue 8, part 2)"),
     ("accuracy_cpu", "Accuracy against compression (issue 8, part 3)",
-     "Not run yet: `python benchmarks/bench_accuracy.py` writes it (about 15 minutes on 2 cores)."),
+     "Not run yet: `python benchmarks/bench_accuracy.py` writes it (hours on 2 cores)."),
+    ("codesearch_cpu", "Code search MRR after pre-training (issue 18)",
+     "Not run yet: `python benchmarks/bench_codesearch.py --run runs/RUN` writes it."),
     ("pretrain_cpu", "Pre-training, dense against CoMERA (issue 7)"),
     ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path (issue 2)"),
     ("bench_embedding", "TTEmbedding against nn.Embedding (issue 3)"),
@@ -55,15 +98,50 @@ def demote(md: str) -> str:
     return "\n".join(out).strip() + "\n"
 
 
+# Results whose JSON predates the measuring and tuning rules above carry no
+# "interleaved" (timing) or "aggregate"/"per_seed" (tuning) marks.
+STALE = {
+    "peers_cpu": ("interleaved", "its case subprocesses ran with 2 threads whatever the label says, "
+                  "methods were timed one after the other (not interleaved), and the speed-ups "
+                  "may be process CPU time"),
+    "transformer_cpu": ("interleaved", "its case subprocesses ran with 2 threads whatever the label "
+                        "says and the step times are process CPU time, not interleaved"),
+    "accuracy_cpu": ("aggregate", "one seed, and comera's learning rate was chosen on the test "
+                     "split while dense kept an untuned one"),
+}
+
+
+def stale_note(name: str) -> str:
+    """A warning for a result measured before the rules above, or ''."""
+    if name not in STALE:
+        return ""
+    key, why = STALE[name]
+    try:
+        with open(os.path.join(RESULTS, name + ".json")) as fh:
+            payload = json.load(fh)
+    except (OSError, ValueError):
+        return ""
+    if key in payload:
+        return ""
+    return (f"**Measured before the rules above (issue 18); to be regenerated:** {why}. "
+            "Treat its ratios as indicative only.\n")
+
+
 def section(name: str, title: str, missing: str = "") -> str:
     md_path = os.path.join(RESULTS, name + ".md")
     parts = [f"## {title}\n"]
     if not os.path.exists(md_path):
         parts.append((missing or f"Not run yet: `benchmarks/results/{name}.md` is missing.") + "\n")
         return "\n".join(parts)
+    note = stale_note(name)
+    if note:
+        parts.append(note)
     with open(md_path) as fh:
         parts.append(demote(fh.read()))
-    pngs = sorted(glob.glob(os.path.join(RESULTS, name + "*.png")))
+    # a longer result name that starts with this one owns its own plots
+    others = [e[0] for e in SECTIONS if e[0] != name and e[0].startswith(name)]
+    pngs = sorted(p for p in glob.glob(os.path.join(RESULTS, name + "*.png"))
+                  if not any(os.path.basename(p).startswith(o) for o in others))
     already = set()
     for p in pngs:
         rel = "results/" + os.path.basename(p)
@@ -75,7 +153,7 @@ def section(name: str, title: str, missing: str = "") -> str:
 
 
 def build() -> str:
-    body = [HEADER]
+    body = [HEADER, "## The CoMERA paper's claims, measured\n", claims_table()]
     for entry in SECTIONS:
         body.append(section(*entry))
     gpu = sorted(glob.glob(os.path.join(RESULTS, "gpu_*.md")))
@@ -84,11 +162,31 @@ def build() -> str:
     return "\n".join(body)
 
 
+START, END = "<!-- claims:start -->", "<!-- claims:end -->"
+
+
+def update_top_readme(path: str) -> bool:
+    """Replaces the claims table between the markers of the README at
+    `path`; returns False (and leaves the file alone) without the markers."""
+    with open(path) as fh:
+        text = fh.read()
+    if START not in text or END not in text:
+        return False
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w") as fh:
+        fh.write(head + START + "\n" + claims_table() + END + tail)
+    return True
+
+
 def main(argv=None) -> int:
     text = build()
     with open(os.path.join(HERE, "README.md"), "w") as fh:
         fh.write(text)
     print(f"wrote benchmarks/README.md ({len(text.splitlines())} lines)")
+    top = os.path.join(os.path.dirname(HERE), "README.md")
+    if update_top_readme(top):
+        print("updated the claims table in README.md")
     return 0
 
 

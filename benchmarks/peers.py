@@ -19,7 +19,12 @@ import comera
 from comera import tt
 
 LINEAR_METHODS = ["comera.TTLinear", "paper scheme", "tltorch BlockTT (factorized)",
-                  "tltorch BlockTT (reconstructed)", "nn.Linear"]
+                  "tltorch BlockTT (reconstructed)", "tltorch BlockTT (factorized, equal params)",
+                  "tltorch BlockTT (reconstructed, equal params)", "nn.Linear"]
+# At the same rank tensorly-torch's TT-matrix has about 3.7x comera's
+# parameters (its cores pair input and output modes); the "equal params"
+# variants take the rank that gives comera's parameter count instead.
+EQUAL = " equal params)"
 
 
 class _TwoMatmul(torch.autograd.Function):
@@ -92,9 +97,40 @@ def tltorch_blocktt(in_f, out_f, rank, implementation):
                                     implementation=implementation)
 
 
+def equal_param_rank(in_f, out_f, target):
+    """The tensorly-torch BlockTT rank whose parameter count is closest to
+    `target` (ties: the smaller rank).
+
+    Example:
+        >>> r = equal_param_rank(768, 3072, 34706)   # comera's count at rank 30
+        >>> r < 30
+        True
+    """
+    best, r = None, 1
+    while True:
+        n = num_params(tltorch_blocktt(in_f, out_f, r, "factorized"))
+        if best is None or abs(n - target) < abs(best[1] - target):
+            best = (r, n)
+        if n >= target or r > max(in_f, out_f):
+            return best[0]
+        r += 1
+
+
+def linear_rank(method, in_f, out_f, rank):
+    """The rank `method` is built at for comera's `rank`: the same, except
+    the equal-parameter variants (see EQUAL)."""
+    if method.endswith(EQUAL):
+        return equal_param_rank(in_f, out_f, num_params(comera.TTLinear(in_f, out_f, rank=rank)))
+    return rank
+
+
 def build_linear(method, in_f, out_f, rank):
     """One layer of `method` (one of LINEAR_METHODS), seeded so every run
-    builds the same weights."""
+    builds the same weights; `rank` is comera's rank (the equal-parameter
+    variants convert it with linear_rank)."""
+    if method not in LINEAR_METHODS:
+        raise ValueError(f"method must be one of {LINEAR_METHODS}, got {method!r}")
+    rank = linear_rank(method, in_f, out_f, rank)
     torch.manual_seed(0)
     if method == "nn.Linear":
         return nn.Linear(in_f, out_f)
@@ -102,11 +138,8 @@ def build_linear(method, in_f, out_f, rank):
         return comera.TTLinear(in_f, out_f, rank=rank)
     if method == "paper scheme":
         return PaperTTLinear.from_ttlinear(comera.TTLinear(in_f, out_f, rank=rank))
-    if method == "tltorch BlockTT (factorized)":
-        return tltorch_blocktt(in_f, out_f, rank, "factorized")
-    if method == "tltorch BlockTT (reconstructed)":
-        return tltorch_blocktt(in_f, out_f, rank, "reconstructed")
-    raise ValueError(f"method must be one of {LINEAR_METHODS}, got {method!r}")
+    impl = "factorized" if "(factorized" in method else "reconstructed"
+    return tltorch_blocktt(in_f, out_f, rank, impl)
 
 
 def num_params(module: nn.Module) -> int:

@@ -139,24 +139,59 @@ def test_peak_rss_sees_a_large_allocation_after_reset():
     assert grown >= 60 << 20
 
 
-def test_time_bounded_counts_reps_and_respects_budget():
-    calls = []
-    res = common.time_bounded(lambda: calls.append(1), reps=4, budget_s=10.0)
-    assert res["reps"] == 4 and len(calls) == 5
-    slow = common.time_bounded(lambda: sum(range(200000)), reps=4, budget_s=0.0)
-    assert slow["reps"] == 0 and slow["median_s"] == slow["first_s"]
-    forced = common.time_bounded(lambda: None, reps=3, budget_s=0.0, min_reps=2)
-    assert forced["reps"] == 2
-
-
-def test_case_subprocess_runs_a_linear_case_in_a_fresh_process():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_case_subprocess_runs_a_linear_case_with_the_threads_asked(threads):
+    """The case runs in a fresh process that got --threads and OMP_NUM_THREADS
+    and asserted the count (timing.assert_threads) before measuring."""
     res = common.case_subprocess("bench_peers", {"kind": "linear_ranks", "method": "nn.Linear",
-                                                 "in": 512, "out": 1024, "ranks": [0], "rows": 2048,
-                                                 "budget_s": 0.5}, timeout=300)
+                                                 "in": 512, "out": 1024, "ranks": [0], "rows": 2048},
+                                 threads, timeout=300)
     assert len(res) == 1 and res[0]["method"] == "nn.Linear" and res[0]["params"] == 512 * 1024 + 1024
-    assert res[0]["wall_s"] > 0 and res[0]["cpu_s"] > 0
+    assert res[0]["threads"] == threads and res[0]["omp_num_threads"] == str(threads)
     # the step allocates at least its 8 MB output and 4 MB input gradient
     assert res[0]["peak_bytes"] >= 12 << 20
+
+
+def test_case_subprocess_refuses_a_case_that_reports_other_threads(monkeypatch):
+    import subprocess
+    import timing
+    fake = subprocess.CompletedProcess([], 0, stdout=json.dumps({"threads": 2}) + "\n", stderr="")
+    monkeypatch.setattr(timing, "threaded_subprocess", lambda *a, **k: fake)
+    with pytest.raises(RuntimeError, match="asked for 1 threads"):
+        common.case_subprocess("bench_peers", {"kind": "linear_ranks"}, 1)
+
+
+def test_equal_param_rank_is_the_closest_tltorch_rank():
+    from peers import equal_param_rank, num_params, tltorch_blocktt
+    target = num_params(comera.TTLinear(768, 3072, rank=30))
+    r = equal_param_rank(768, 3072, target)
+    gap = lambda k: abs(num_params(tltorch_blocktt(768, 3072, k, "factorized")) - target)
+    assert gap(r) <= gap(r - 1) and gap(r) <= gap(r + 1)
+    assert gap(r) < 0.1 * target
+    layer = build_linear("tltorch BlockTT (reconstructed, equal params)", 768, 3072, 30)
+    assert abs(num_params(layer) - target) == gap(r)
+
+
+def test_galore_step_time_amortises_its_svd_step():
+    from train_step import GALORE, time_methods
+    res = time_methods({"preset": "tiny", "batch": 2, "rank": 4, "reps": 3,
+                        "methods": [["dense AdamW", "dense AdamW", None],
+                                    ["GaLore AdamW", "GaLore AdamW", None]]})
+    assert set(res["methods"]) == {"dense AdamW", "GaLore AdamW"}  # the SVD variant is folded in
+    g = res["methods"]["GaLore AdamW"]
+    steady, svd = g["wall"]["median"], g["svd_step_wall_s"]
+    assert g["amortised_wall_s"] == pytest.approx(steady + max(0.0, svd - steady)
+                                                  / GALORE["update_proj_gap"])
+    assert g["wall"]["reps"] == 3 and res["methods"]["dense AdamW"]["wall"]["reps"] == 3
+
+
+def test_benchmark_docstring_examples_run():
+    import doctest
+    import importlib
+    for name in ("peers", "train_step", "timing", "code_docstring", "plots", "bench_codesearch",
+                 "claims"):
+        result = doctest.testmod(importlib.import_module(name))
+        assert result.failed == 0 and result.attempted > 0, name
 
 
 # ------------------------------------------------------ scripts, --quick
@@ -167,15 +202,24 @@ def test_bench_peers_quick(tmp_path):
     lin = payload["linear"][0]
     assert set(lin["methods"]) == set(LINEAR_METHODS)
     for m in lin["methods"].values():
-        assert m["time_s"] > 0 and m["peak_bytes"] >= 0 and m["params"] > 0
+        assert m["wall_s"] > 0 and m["peak_bytes"] >= 0 and m["params"] > 0
+        assert m["wall"]["reps"] >= 3 and m["wall"]["min"] <= m["wall_s"] <= m["wall"]["max"]
     assert set(lin["comera_speedup"]) == set(LINEAR_METHODS) - {"comera.TTLinear"}
+    # the equal-parameter peer really has about comera's parameter count
+    tt, eq = lin["methods"]["comera.TTLinear"], lin["methods"]["tltorch BlockTT (factorized, equal params)"]
+    assert abs(eq["params"] - tt["params"]) < 0.15 * tt["params"] < lin["methods"][
+        "tltorch BlockTT (factorized)"]["params"] - tt["params"]
     steps = payload["transformer"]
     assert [r["batch"] for r in steps] == [1, 2]
     for r in steps:
         assert set(r["methods"]) == {"dense AdamW", "GaLore AdamW", "comera"}
-        assert r["methods"]["GaLore AdamW"]["optimizer_state_bytes"] > 0
+        galore = r["methods"]["GaLore AdamW"]
+        assert galore["optimizer_state_bytes"] > 0
+        assert galore["step_s"] >= galore["steady_step_s"]  # the amortised SVDs add, never remove
         assert all(v["step_s"] > 0 for v in r["methods"].values())
+    assert payload["machine"]["threads"] == 1 and "load_after" in payload["machine"]
     assert "| in -> out | rank |" in md and "GaLore AdamW" in md and "Reproduce" in md
+    assert "Machine:" in md
     _pngs_exist(str(tmp_path), payload)
 
 
@@ -189,6 +233,9 @@ def test_bench_transformer_quick(tmp_path):
     assert stages == ["start (rank 30)", "after stage 1", "after stage 2"]
     last = payload["rank_adaptive"][-1]
     assert last["reached_target"] and last["tt_layer_compression"] >= 80.0 * 0.97
+    # whole-model compression from the same parameter counts as the size table
+    assert last["model_compression"] == pytest.approx(payload["size"]["dense_params"] / last["params"])
+    assert last["model_compression"] < last["tt_layer_compression"]  # the dense parts stay
     methods = set(payload["steps"][0]["methods"])
     assert methods == {"dense AdamW", "comera", "comera pruned to 80x"}
     assert "## Training step" in md and "Reproduce" in md
@@ -201,13 +248,27 @@ def test_bench_accuracy_quick(tmp_path):
     bench_accuracy.main(["--quick", "--threads", "1", "--out", str(tmp_path),
                          "--cache-dir", str(tmp_path / "cache")])
     payload, md = _read(str(tmp_path), "accuracy_cpu_quick")
-    runs = payload["runs"]
-    assert [r["method"] for r in runs] == ["dense", "comera stage 1", "comera", "comera"]
-    assert all(0.0 <= r["test_accuracy"] <= 1.0 for r in runs)
-    assert all(math.isfinite(r["train_loss"]) for r in runs)
-    for r in runs[2:]:
-        assert r["reached_target"] and r["compression"] >= r["target"] * 0.97
-    assert "| run | encoder compression |" in md
+    runs, grid, chosen = payload["runs"], payload["grid"], payload["chosen_lr"]
+    names = ["dense", "comera (target 8x)", "comera (target 12x)"]
+    # every configuration tried the same grid, and kept its best validation rate
+    for name in names:
+        tried = {g["lr"]: g["valid_accuracy"] for g in grid if g["config"] == name}
+        assert sorted(tried) == [1e-3, 3e-3]
+        assert tried[chosen[name]] == max(tried.values())
+    # three seeds per configuration, all at the chosen rate, test scored
+    for name in names:
+        rs = [r for r in runs if r["config"] == name]
+        assert sorted(r["seed"] for r in rs) == [0, 1, 2] and {r["lr"] for r in rs} == {chosen[name]}
+        accs = [r["test_accuracy"] for r in rs]
+        agg = payload["aggregate"][name]["test_accuracy"]
+        assert agg["mean"] == pytest.approx(sum(accs) / 3)
+    assert all(0.0 <= r["test_accuracy"] <= 1.0 and math.isfinite(r["train_loss"]) for r in runs)
+    for r in runs:
+        if r["config"] != "dense":
+            assert r["reached_target"] and r["model_compression"] < r["compression"]
+    assert not any("test_accuracy" in g for g in grid)  # the choice never saw the test split
+    assert payload["data"]["valid_pairs"] > 0
+    assert "| configuration | chosen lr |" in md and "+-" in md
     _pngs_exist(str(tmp_path), payload)
 
 
