@@ -362,7 +362,7 @@ def test_target_compression_is_reached_and_kept(target, prune_every):
         opt.step()
         ra.step(opt)
         history.append((ra.stage, ra.frozen, ra.compression()))
-        assert history[-1][2] <= target * 1.05  # never beyond the target
+        assert history[-1][2] <= target * 1.05  # at most 5% beyond the target (ranks die whole)
     final = dense / _size_by_hand(model)
     assert ra.compression() == pytest.approx(final) == pytest.approx(comera.compression(model))
     assert abs(final / target - 1) <= 0.05, final
