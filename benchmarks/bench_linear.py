@@ -3,6 +3,7 @@ with torch.matmul, at transformer shapes (4096 rows = 32 x 128 tokens).
 
     python benchmarks/bench_linear.py            # all cases at 1 and 2 threads, ~5 minutes
     python benchmarks/bench_linear.py --quick    # one case
+    python benchmarks/bench_linear.py --shapes 768x3072,768x768 --ranks 30,16
 
 Writes benchmarks/results/linear_cpu.json and linear_cpu.md.  The three
 methods are timed interleaved by wall clock (benchmarks/timing.py), at each
@@ -10,11 +11,17 @@ thread count of --threads.  The machine record (CPU, ISA, torch's BLAS,
 sgemm and copy rates measured in the same run) gives each TTLinear case's
 roofline efficiency:
     max(plan flops / sgemm rate, plan bytes / copy bandwidth) / measured time.
+TTLinear is also timed with comera's huge-page advice on its outputs
+switched off (COMERA_HUGE_PAGES=0, per call, same rounds: docs/design.md
+section 5), so the table shows what the advice is worth; nn.Linear and the
+matmul path never get it (run the whole script under
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 to give every method huge pages).
 Peak memory is the growth of the process's peak RSS during one forward +
 backward, in a fresh subprocess per case.
 """
 import argparse
 import json
+import os
 
 import torch
 from torch import nn
@@ -64,6 +71,17 @@ def step_fn(module, x, gy):
     return run
 
 
+def advice_off(fn):
+    """fn with comera's huge-page advice switched off for the call."""
+    def run():
+        os.environ["COMERA_HUGE_PAGES"] = "0"
+        try:
+            fn()
+        finally:
+            del os.environ["COMERA_HUGE_PAGES"]
+    return run
+
+
 def memory_case(case):
     module = build(case["method"], case["in"], case["out"], case["rank"])
     x = torch.randn(ROWS, case["in"], requires_grad=True)
@@ -81,6 +99,7 @@ def time_case(in_f, out_f, rank, reps):
     ttl = build("comera.TTLinear", in_f, out_f, rank)
     methods = {"nn.Linear": step_fn(build("nn.Linear", in_f, out_f, 0), x, gy),
                "comera.TTLinear": step_fn(ttl, x, gy),
+               "TTLinear advice off": advice_off(step_fn(ttl, x, gy)),
                "matmul merge": step_fn(build("matmul merge", in_f, out_f, rank), x, gy)}
     return ttl, interleaved(methods, reps=reps)
 
@@ -92,6 +111,9 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--memory-case")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--shapes", help="comma-separated INxOUT (default: all three)")
+    ap.add_argument("--ranks", help="comma-separated ranks (default: 8,16,30,64)")
+    ap.add_argument("--out", help="results name (default: linear_cpu, linear_cpu_quick)")
     args = ap.parse_args()
     threads = [int(t) for t in str(args.threads).split(",")]
     heap_cache = keep_freed_memory()
@@ -102,6 +124,10 @@ def main():
     machine = machine_record()
     shapes = [(768, 3072)] if args.quick else SHAPES
     ranks = [30] if args.quick else RANKS
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
+    if args.ranks:
+        ranks = [int(r) for r in args.ranks.split(",")]
     rows = []
     for nt in threads:
         assert_threads(nt)
@@ -119,6 +145,7 @@ def main():
                     "plan_bytes": cost["bytes"], "timing": t,
                     "time_dense_s": med["nn.Linear"], "time_tt_s": med["comera.TTLinear"],
                     "time_matmul_merge_s": med["matmul merge"],
+                    "time_tt_no_advice_s": med["TTLinear advice off"],
                     "speedup_vs_dense": med["nn.Linear"] / med["comera.TTLinear"],
                     "speedup_vs_matmul_merge": med["matmul merge"] / med["comera.TTLinear"],
                     "roofline_efficiency": roof / med["comera.TTLinear"],
@@ -131,9 +158,10 @@ def main():
                                              "rank": rank}, threads=nt)
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "timing"}))
     finish_record(machine)
-    payload = {"machine": machine, "glibc_keep_freed_memory": heap_cache, "dtype": "float32",
+    payload = {"machine": machine, "glibc_keep_freed_memory": heap_cache,
+               "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "dtype": "float32",
                "clock": "wall", "interleaved": True, "reps": args.reps, "cases": rows}
-    write_results("linear_cpu" if not args.quick else "linear_cpu_quick", payload,
+    write_results(args.out or ("linear_cpu" if not args.quick else "linear_cpu_quick"), payload,
                   markdown(payload, args))
 
 
@@ -143,19 +171,29 @@ def markdown(payload, args):
           machine_line(payload["machine"]),
           "Wall clock, median of the interleaved repetitions (spread in the JSON); nn.Linear, "
           "TTLinear and the merge path in torch.matmul timed round-robin in one process. Freed "
-          "memory stays in the heap for every method (mallopt, as with jemalloc/tcmalloc).\n",
-          "| threads | in -> out | rank | path | nn.Linear ms | TTLinear ms | matmul merge ms | "
-          "x dense | x matmul merge | roofline eff. | peak MB dense / TT / merge |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "memory stays in the heap for every method (mallopt, as with jemalloc/tcmalloc). "
+          "'advice off': TTLinear without comera's huge-page advice on its outputs, same "
+          "rounds. GLIBC_TUNABLES: "
+          f"{payload['glibc_tunables'] or 'unset'}.\n",
+          "| threads | in -> out | rank | path | nn.Linear ms | TTLinear ms | TTLinear ms advice "
+          "off | matmul merge ms | x dense | x matmul merge | roofline eff. | "
+          "peak MB dense / TT / merge |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["cases"]:
         md.append(f"| {r['threads']} | {r['in']} -> {r['out']} | {r['rank']} | {r['path']} | "
                   f"{r['time_dense_s'] * 1e3:.2f} | {r['time_tt_s'] * 1e3:.2f} | "
+                  f"{r['time_tt_no_advice_s'] * 1e3:.2f} | "
                   f"{r['time_matmul_merge_s'] * 1e3:.2f} | {r['speedup_vs_dense']:.1f} | "
                   f"{r['speedup_vs_matmul_merge']:.2f} | {r['roofline_efficiency'] * 100:.0f}% | "
                   f"{mb(r.get('peak_mem_dense_bytes'))} / {mb(r.get('peak_mem_tt_bytes'))} / "
                   f"{mb(r.get('peak_mem_matmul_merge_bytes'))} |")
     flags = " --quick" if args.quick else ""
-    md.append(f"\nReproduce: `python benchmarks/bench_linear.py --threads {args.threads}"
+    flags += f" --shapes {args.shapes}" if args.shapes else ""
+    flags += f" --ranks {args.ranks}" if args.ranks else ""
+    flags += " --no-memory" if args.no_memory else ""
+    flags += f" --out {args.out}" if args.out else ""
+    env = f"GLIBC_TUNABLES={payload['glibc_tunables']} " if payload["glibc_tunables"] else ""
+    md.append(f"\nReproduce: `{env}python benchmarks/bench_linear.py --threads {args.threads}"
               f" --reps {args.reps}{flags}` (after `make install`).\n")
     return "\n".join(md) + "\n"
 

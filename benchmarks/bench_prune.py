@@ -24,13 +24,19 @@ benchmarks/results/prune_cpu.json and prune_cpu.md with the machine record
 
 Allocation note: every call allocates y and dx afresh; glibc serves blocks
 this large with mmap, so each call also pays first-touch page faults on
-them (tens of ms at 4096 rows), whatever the rank.  Setting
-MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 keeps
-that memory in the heap; the table records which MALLOC_* settings a run had.
+them, whatever the rank.  comera asks for transparent huge pages on its
+large outputs (docs/design.md section 5); the full and pruned layers are also
+timed with that advice off (COMERA_HUGE_PAGES=0, switched per call),
+interleaved with the rest, so the table gives the before/after of the advice.
+The floor is measured both ways too: torch.empty + fill as is, and with the
+same madvise (Linux).  The table records which MALLOC_* / GLIBC_TUNABLES
+settings a run had.
 """
 import argparse
 import copy
+import ctypes
 import os
+import sys
 
 import torch
 
@@ -48,11 +54,43 @@ def step_fn(layer, x, gy):
     return run
 
 
-def output_floor_fn(rows, in_f, out_f):
-    """Allocating and writing the outputs every forward+backward must produce."""
+def advice_off(fn):
+    """fn with comera's huge-page advice switched off for the call."""
     def run():
-        torch.empty(rows, out_f).fill_(1.0)
-        torch.empty(rows, in_f).fill_(1.0)
+        os.environ["COMERA_HUGE_PAGES"] = "0"
+        try:
+            fn()
+        finally:
+            del os.environ["COMERA_HUGE_PAGES"]
+    return run
+
+
+def _madvise_huge():
+    """madvise(MADV_HUGEPAGE) on a tensor's 2 MB-aligned interior, what
+    comera does for its large outputs; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge, MADV_HUGEPAGE = 2 << 20, 14
+
+    def advise(t):
+        a, n = t.data_ptr(), t.numel() * t.element_size()
+        lo, hi = -(-a // huge) * huge, (a + n) // huge * huge
+        if hi > lo:
+            libc.madvise(lo, hi - lo, MADV_HUGEPAGE)
+        return t
+    return advise
+
+
+def output_floor_fn(rows, in_f, out_f, advise=None):
+    """Allocating and writing the outputs every forward+backward must produce
+    (with ``advise``: after the huge-page advice comera gives its outputs)."""
+    adv = advise or (lambda t: t)
+
+    def run():
+        adv(torch.empty(rows, out_f)).fill_(1.0)
+        adv(torch.empty(rows, in_f)).fill_(1.0)
     return run
 
 
@@ -76,9 +114,15 @@ def time_row(rows, rank, live, reps, flops_rate, bw):
     comera.prune(pruned)
     x = torch.randn(rows, 768, requires_grad=True)
     gy = torch.randn(rows, 3072)
-    t = interleaved({"full": step_fn(layer, x, gy), "masked": step_fn(masked, x, gy),
-                     "pruned": step_fn(pruned, x, gy), "floor": output_floor_fn(rows, 768, 3072)},
-                    reps=reps, warmup=2)
+    methods = {"full": step_fn(layer, x, gy), "masked": step_fn(masked, x, gy),
+               "pruned": step_fn(pruned, x, gy),
+               "full_advice_off": advice_off(step_fn(layer, x, gy)),
+               "pruned_advice_off": advice_off(step_fn(pruned, x, gy)),
+               "floor": output_floor_fn(rows, 768, 3072)}
+    advise = _madvise_huge()
+    if advise is not None:
+        methods["floor_huge"] = output_floor_fn(rows, 768, 3072, advise)
+    t = interleaved(methods, reps=reps, warmup=2)
     med = {k: v["wall"]["median"] for k, v in t.items()}
     full = dict(costs(layer, rows, flops_rate, bw), ranks=layer.ranks, time_s=med["full"])
     pr = dict(costs(pruned, rows, flops_rate, bw), ranks=pruned.ranks, time_s=med["pruned"])
@@ -90,6 +134,9 @@ def time_row(rows, rank, live, reps, flops_rate, bw):
         "flop_ratio": full["flops"] / pr["flops"],
         "roofline_ratio": full["roofline_s"] / pr["roofline_s"],
         "masked_over_pruned": med["masked"] / pr["time_s"],
+        "advice_off": {"full_s": med["full_advice_off"], "pruned_s": med["pruned_advice_off"],
+                       "time_ratio": med["full_advice_off"] / med["pruned_advice_off"]},
+        "output_floor_huge_s": med.get("floor_huge"),
     }
 
 
@@ -102,7 +149,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
-    malloc_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
+    malloc_env = {k: v for k, v in sorted(os.environ.items())
+                  if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
     assert_threads(args.threads)
     machine = machine_record()
     flops_rate, bw = machine["sgemm_flops_per_s"], machine["copy_bytes_per_s"]
@@ -115,7 +163,8 @@ def main(argv=None):
               f"{pruned['time_s'] * 1e3:.1f} ms (masked {case['masked_time_s'] * 1e3:.1f} ms): time "
               f"{case['time_ratio']:.2f}x (above the {floor_s * 1e3:.1f} ms output floor "
               f"{case['above_floor_ratio']:.2f}x), FLOPs {case['flop_ratio']:.2f}x, roofline "
-              f"{case['roofline_ratio']:.2f}x", flush=True)
+              f"{case['roofline_ratio']:.2f}x; huge-page advice off: "
+              f"{case['advice_off']['time_ratio']:.2f}x", flush=True)
     finish_record(machine)
     payload = {"machine": machine, "dtype": "float32", "layer": "TTLinear(768, 3072)",
                "rank": args.rank, "live_rank": args.live, "clock": "wall", "interleaved": True,
@@ -133,11 +182,13 @@ def markdown(payload, args):
           "floor timed round-robin in one process). Masked: dead ranks zeroed but still computed "
           "(no pruning). Ratios are full / pruned (of the medians); roofline = max(plan flops / "
           "sgemm, plan bytes / copy); floor = allocating and writing y and dx alone, and the ratio "
-          "of the times above it. glibc malloc settings: "
+          "of the times above it; advice off: the same layers with comera's huge-page advice "
+          "switched off (COMERA_HUGE_PAGES=0), and the floor with that advice. glibc malloc settings: "
           f"{' '.join(f'{k}={v}' for k, v in malloc_env.items()) or 'defaults'}.\n",
           "| rows | ranks | path | ms [IQR] | masked ms | pruned ranks | path | pruned ms [IQR] | "
-          "time ratio | FLOP ratio | roofline ratio | floor ms | ratio above floor | masked / pruned |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "time ratio | FLOP ratio | roofline ratio | floor ms | ratio above floor | masked / pruned | "
+          "advice off: ms, pruned ms, ratio | floor ms with advice |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in payload["cases"]:
         f, p, t = c["full"], c["pruned"], c["timing"]
         md.append(f"| {c['rows']} | {f['ranks']} | {f['path']} | {f['time_s'] * 1e3:.1f} "
@@ -146,7 +197,9 @@ def markdown(payload, args):
                   f"[{t['pruned']['wall']['iqr'] * 1e3:.1f}] | {c['time_ratio']:.2f}x | "
                   f"{c['flop_ratio']:.2f}x | {c['roofline_ratio']:.2f}x | "
                   f"{c['output_floor_s'] * 1e3:.1f} | {c['above_floor_ratio']:.2f}x | "
-                  f"{c['masked_over_pruned']:.2f}x |")
+                  f"{c['masked_over_pruned']:.2f}x | {c['advice_off']['full_s'] * 1e3:.1f}, "
+                  f"{c['advice_off']['pruned_s'] * 1e3:.1f}, {c['advice_off']['time_ratio']:.2f}x | "
+                  + (f"{c['output_floor_huge_s'] * 1e3:.1f} |" if c["output_floor_huge_s"] else "- |"))
     env = "".join(f"{k}={v} " for k, v in malloc_env.items())
     md.append(f"\nReproduce: `{env}python benchmarks/bench_prune.py --rows "
               f"{' '.join(map(str, args.rows))} --reps {args.reps} --threads {args.threads}` "

@@ -37,6 +37,7 @@
 #include <pybind11/detail/common.h>
 
 #include "comera/status.h"
+#include "common/pages.h"
 
 #ifdef COMERA_WITH_CUDA
 #include <cublas_v2.h>
@@ -197,11 +198,26 @@ inline int32_t shim_dtype(ScalarType t) {
     }
 }
 
+// Bytes per element of the output dtypes (shim_dtype's list).
+inline uint64_t elem_bytes(ScalarType t) {
+    switch (t) {
+        case ScalarType::Double:
+        case ScalarType::Long: return 8;
+        case ScalarType::Float:
+        case ScalarType::Int: return 4;
+        case ScalarType::BFloat16:
+        case ScalarType::Half: return 2;
+        default: return 1;
+    }
+}
+
 // A fresh contiguous tensor (an output) from torch's allocator, through the
 // stable C shim's aoti_torch_empty_strided: one direct call into
 // at::empty_strided.  (torch::stable::empty goes through the boxed
 // dispatcher by op name, a lookup and a stack per call: measurably slower
-// for one-row calls.)
+// for one-row calls.)  A large CPU one gets the huge-page advice before the
+// kernel's first write (common/pages.h: a fresh 48 MB y otherwise costs
+// ~12k page faults per call).
 inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const Device &device) {
     constexpr size_t kMaxDim = 8;
     const size_t ndim = sizes.size();
@@ -217,7 +233,14 @@ inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const Device 
         static_cast<int64_t>(ndim), sizes.data(), strides, shim_dtype(dtype),
         is_cuda(device) ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
         is_cuda(device) ? static_cast<int32_t>(device.index()) : 0, &out));
-    return Tensor(out);
+    Tensor t(out);
+    if (!is_cuda(device)) {
+        uint64_t bytes = elem_bytes(dtype);
+        for (size_t i = 0; i < ndim; i++) bytes *= static_cast<uint64_t>(sizes[i]);
+        if (bytes >= COMERA_HUGE_ADVICE_MIN_BYTES)
+            comera_advise_huge_pages(t.data_ptr(), static_cast<size_t>(bytes));
+    }
+    return t;
 }
 
 // Fresh tensors shaped like each of ts (gradient outputs; ts are contiguous).

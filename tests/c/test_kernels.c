@@ -375,6 +375,7 @@ static void test_nested(void) {
 
 void test_check_and_plan(void); /* test_check.c */
 void test_gate_prox(void);      /* test_rank_adaptive.c */
+void test_pages(void);          /* test_pages.c */
 
 int main(void) {
     int guard = isa_guard("test_kernels");
@@ -385,6 +386,7 @@ int main(void) {
     test_fd();
     test_nested();
     test_gate_prox();
+    test_pages();
     printf("%d passed, %d failed\n", total_passed(), total_failed());
     return total_failed() ? 1 : 0;
 }
