@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from comera import tt
-from comera.layer_base import TTLayerMixin
+from comera.layer_base import TTLayerMixin, param_list
 from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
 
 DEFAULT_CORES = 3
@@ -251,14 +251,14 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"TTEmbedding input must be an int64 or int32 tensor of indices, "
                             f"got {input.dtype}")
-        cores = list(self.cores)
+        cores = param_list(self.cores)
         w = cores[0]
         if input.device != w.device:
             raise ValueError(f"TTEmbedding input is on {input.device} but the layer is on {w.device}")
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets and per_sample_weights need a bag layer "
                              "(TTEmbedding(..., mode='sum' or 'mean'))")
-        return tt_embedding(input, cores, list(self.gates), self.num_embeddings,
+        return tt_embedding(input, cores, param_list(self.gates), self.num_embeddings,
                             self.embedding_dim, offsets=offsets,
                             per_sample_weights=per_sample_weights, padding_idx=self.padding_idx,
                             mode=self.mode, include_last_offset=self.include_last_offset,

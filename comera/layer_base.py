@@ -45,6 +45,22 @@ def tt_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
             yield name, module
 
 
+def param_list(plist: nn.ParameterList) -> List[torch.Tensor]:
+    """The entries of a ParameterList in index order, read from its parameter
+    dict: ``list(plist)`` goes through ``__getitem__`` per entry, which costs
+    more than the whole C kernel call at batch 1.  Index assignment keeps a
+    key's position, so the dict order is the index order.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> pl = nn.ParameterList([nn.Parameter(torch.zeros(1)), nn.Parameter(torch.ones(2))])
+        >>> [p.numel() for p in param_list(pl)]
+        [1, 2]
+    """
+    return list(plist._parameters.values())
+
+
 def mode_size(core: torch.Tensor) -> int:
     """Entries of a core per (left rank, right rank) pair: the product of its modes."""
     return math.prod(core.shape[1:-1])

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from comera import tt
-from comera.layer_base import TTLayerMixin
+from comera.layer_base import TTLayerMixin, param_list
 from comera.ops.linear import PATHS, tt_linear, tt_linear_plan
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -164,8 +164,8 @@ class TTLinear(TTLayerMixin, nn.Module):
             raise ValueError(f"TTLinear input is on {x.device} but the layer is on {w.device}")
         if not torch.compiler.is_compiling():
             self._last_batch = max(1, x.numel() // self.in_features)
-        return tt_linear(x, list(self.cores), list(self.gates), self.bias, self.num_in_cores,
-                         self.out_features, self.path)
+        return tt_linear(x, param_list(self.cores), param_list(self.gates), self.bias,
+                         self.num_in_cores, self.out_features, self.path)
 
     # ------------------------------------------------------------ inspection
     def plan(self, batch: Optional[int] = None) -> dict:
