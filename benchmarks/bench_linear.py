@@ -28,8 +28,8 @@ from torch import nn
 
 import comera
 from comera import tt
-from common import (keep_freed_memory, peak_memory_subprocess, peak_rss_bytes, reset_peak_rss,
-                    rss_bytes, write_results)
+from common import (advice_off, keep_freed_memory, peak_memory_subprocess, peak_rss_bytes,
+                    reset_peak_rss, rss_bytes, write_results)
 from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
@@ -68,17 +68,6 @@ def step_fn(module, x, gy):
             p.grad = None
         x.grad = None
         module(x).backward(gy)
-    return run
-
-
-def advice_off(fn):
-    """fn with comera's huge-page advice switched off for the call."""
-    def run():
-        os.environ["COMERA_HUGE_PAGES"] = "0"
-        try:
-            fn()
-        finally:
-            del os.environ["COMERA_HUGE_PAGES"]
     return run
 
 

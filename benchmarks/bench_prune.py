@@ -41,7 +41,7 @@ import sys
 import torch
 
 import comera
-from common import write_results
+from common import advice_off, write_results
 from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
 
@@ -51,17 +51,6 @@ def step_fn(layer, x, gy):
             p.grad = None
         x.grad = None
         layer(x).backward(gy)
-    return run
-
-
-def advice_off(fn):
-    """fn with comera's huge-page advice switched off for the call."""
-    def run():
-        os.environ["COMERA_HUGE_PAGES"] = "0"
-        try:
-            fn()
-        finally:
-            del os.environ["COMERA_HUGE_PAGES"]
     return run
 
 

@@ -24,6 +24,17 @@ def keep_freed_memory():
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def advice_off(fn):
+    """fn with comera's huge-page advice switched off for the call."""
+    def run():
+        os.environ["COMERA_HUGE_PAGES"] = "0"
+        try:
+            fn()
+        finally:
+            del os.environ["COMERA_HUGE_PAGES"]
+    return run
+
+
 def max_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
