@@ -279,6 +279,8 @@ def main(argv=None):
             c = json.load(fh)
         command = (f"comera pretrain --method both --preset {c['preset_name']} --seed {c['seed']} "
                    f"--steps {c['preset']['steps']}")
+        if c.get("valid_fraction", 0.05) != 0.05:  # the held-out split the test pairs come from
+            command += f" --valid-fraction {c['valid_fraction']}"
     p = {"machine": machine, "run": os.path.basename(run_dir.rstrip(os.sep)), "pretrain_command": command,
          "pretrain_steps": {m: pre["methods"][m]["steps_done"] for m in METHODS},
          "data": {"train": len(train), "valid": len(valid), "test": len(test)},
