@@ -313,7 +313,14 @@ def markdown(payload, args):
         md.append(f"\nTarget (issue 8): within 1 point of dense at >= 40x encoder compression "
                   f"(means over seeds): {'met' if gap <= 1.0 else 'missed'}; the best comera "
                   f"configuration at >= 40x is {n}, {best['compression']['mean']:.1f}x at "
-                  f"{best['test_accuracy']['mean'] * 100:.2f}%, {gap:.2f} points below dense.")
+                  f"{best['test_accuracy']['mean'] * 100:.2f}%, {abs(gap):.2f} points "
+                  f"{'below' if gap > 0 else 'above'} dense.")
+    # a choice on the grid's edge means the grid did not bracket the best lr
+    edge = [f"{n} ({payload['chosen_lr'][n]:g})" for n in agg
+            if payload["chosen_lr"][n] in (min(args.lr_grid), max(args.lr_grid))]
+    if edge:
+        md.append("\nChosen on the edge of the grid (a wider grid might choose otherwise): "
+                  + ", ".join(edge) + ".")
     md.append("\n" + machine_line(payload["machine"]))
     md.append(f"\nReproduce: `python benchmarks/bench_accuracy.py {payload['flags']}`.\n")
     return "\n".join(md) + "\n"

@@ -269,6 +269,9 @@ def test_bench_accuracy_quick(tmp_path):
     assert not any("test_accuracy" in g for g in grid)  # the choice never saw the test split
     assert payload["data"]["valid_pairs"] > 0
     assert "| configuration | chosen lr |" in md and "+-" in md
+    # with a two-rate grid every choice is on an edge, and the table says so
+    assert "Chosen on the edge of the grid" in md
+    assert all(f"{name} ({chosen[name]:g})" in md for name in names)
     _pngs_exist(str(tmp_path), payload)
 
 
