@@ -26,8 +26,10 @@ subprocess per method (and shape), with the memory high-water mark reset
 before the measured steps.  Every subprocess gets --threads and
 OMP_NUM_THREADS and asserts the count it runs with.  --in-process runs
 everything in this process instead.
-Writes benchmarks/results/peers_cpu.{json,md} (peers_cpu_quick.* with
---quick) and PNG plots next to them, with the machine record.
+Writes benchmarks/results/peers_cpu.{json,md} (peers_cpu_linear.* or
+peers_cpu_transformer.* with --part, peers_cpu_quick* with --quick) and PNG
+plots next to them, with the machine record.  The committed tables are the two
+parts, each run at 1 thread.
 """
 import argparse
 import json

@@ -77,7 +77,8 @@ GPU machine.
 SECTIONS = [
     ("peers_cpu_linear", "comera against its peers: TT linear layers (issue 18 protocol)",
      "Not run yet: `python benchmarks/bench_peers.py --part linear --threads 1` writes it."),
-    ("peers_cpu", "comera against its peers (issue 8, part 1)"),
+    ("peers_cpu_transformer", "comera against its peers: six-encoder training step (issue 18 protocol)",
+     "Not run yet: `python benchmarks/bench_peers.py --part transformer --threads 1` writes it."),
     ("transformer_cpu", "The paper's six-encoder transformer (issue 8, part 2)"),
     ("accuracy_cpu", "Accuracy against compression (issue 8, part 3)",
      "Not run yet: `python benchmarks/bench_accuracy.py` writes it (hours on 2 cores)."),
@@ -101,9 +102,6 @@ def demote(md: str) -> str:
 # Results whose JSON predates the measuring and tuning rules above carry no
 # "interleaved" (timing) or "aggregate"/"per_seed" (tuning) marks.
 STALE = {
-    "peers_cpu": ("interleaved", "its case subprocesses ran with 2 threads whatever the label says, "
-                  "methods were timed one after the other (not interleaved), and the speed-ups "
-                  "may be process CPU time"),
     "transformer_cpu": ("interleaved", "its case subprocesses ran with 2 threads whatever the label "
                         "says and the step times are process CPU time, not interleaved"),
     "accuracy_cpu": ("aggregate", "one seed, and comera's learning rate was chosen on the test "

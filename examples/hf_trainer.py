@@ -6,7 +6,7 @@ the interpreter.  Compared with a plain Trainer script, three lines are added
 (marked "comera"): convert the model, pass RankAdaptiveCallback, and
 patch_trainer so that the Trainer reads its comera checkpoints back.
 
-    python examples/hf_trainer.py                  # 200 steps, a few minutes on 2 cores
+    python examples/hf_trainer.py                  # 200 steps, under a minute on 2 cores
     python examples/hf_trainer.py --steps 40       # a quick smoke run
     python examples/hf_trainer.py --out run --resume   # continue from run/checkpoint-*
 

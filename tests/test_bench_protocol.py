@@ -149,11 +149,12 @@ def test_claims_codebert_verdict_follows_the_measured_entry(tmp_path, monkeypatc
 def test_make_readme_flags_results_measured_before_the_protocol(tmp_path, monkeypatch):
     import make_readme
     monkeypatch.setattr(make_readme, "RESULTS", str(tmp_path))
-    (tmp_path / "peers_cpu.md").write_text("# old table\n")
-    (tmp_path / "peers_cpu.json").write_text(json.dumps({"clock": "cpu"}))
-    assert "to be regenerated" in make_readme.section("peers_cpu", "Peers")
-    (tmp_path / "peers_cpu.json").write_text(json.dumps({"clock": "wall", "interleaved": True}))
-    assert "to be regenerated" not in make_readme.section("peers_cpu", "Peers")
+    (tmp_path / "transformer_cpu.md").write_text("# old table\n")
+    (tmp_path / "transformer_cpu.json").write_text(json.dumps({"clock": "cpu"}))
+    assert "to be regenerated" in make_readme.section("transformer_cpu", "Transformer")
+    (tmp_path / "transformer_cpu.json").write_text(json.dumps({"clock": "wall", "interleaved": True}))
+    assert "to be regenerated" not in make_readme.section("transformer_cpu", "Transformer")
+    (tmp_path / "peers_cpu.md").write_text("# a table\n")
     # a longer result name keeps its plots to itself
     for png in ("peers_cpu_step_time.png", "peers_cpu_linear_linear_time.png"):
         (tmp_path / png).write_bytes(b"\x89PNG")
