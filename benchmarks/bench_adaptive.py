@@ -159,6 +159,21 @@ def summary(runs):
             "compression_mean": statistics.mean(r["compression_converted"] for r in runs)}
 
 
+def _edge_choices(res: dict) -> list:
+    """'preset target method (lr)' for every choice at the smallest or largest
+    rate its grid tried: the grid did not bracket that method's best rate."""
+    out = []
+    for pname, pres in res["presets"].items():
+        entries = [("-", "dense", pres["dense"])]
+        entries += [(f"{tkey}x", m, t[m]) for tkey, t in pres["targets"].items()
+                    for m in ("adaptive", "fixed") if m in t]
+        for tkey, m, e in entries:
+            tried = [r["lr"] for r in e.get("trials", [])]
+            if len(tried) > 1 and e["lr"] in (min(tried), max(tried)):
+                out.append(f"{pname} {tkey} {m} ({e['lr']:g})")
+    return out
+
+
 def markdown(res: dict) -> str:
     lines = ["# Adaptive against fixed TT ranks at equal parameter count (MLM, CPU)", "",
              "Written by `benchmarks/bench_adaptive.py`.  Validation MLM loss (mean +- std over the "
@@ -188,6 +203,10 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {pname} | {tkey}x | {m} | {e['lr']:g} | {e['valid_mean']:.4f} +- "
                              f"{e['valid_std']:.4f} | {e['converted_tt_mean']:,.0f} | "
                              f"{e['compression_mean']:.1f}x | {shown} |")
+    edge = _edge_choices(res)
+    if edge:
+        lines += ["", "Chosen on the edge of the lr grid (a wider grid might choose otherwise): "
+                  + ", ".join(edge) + "."]
     lines += ["", "Verdict (mean of the seeds; the issue's target: adaptive <= fixed at every target):", ""]
     for pname, pres in res["presets"].items():
         for tkey, t in pres["targets"].items():

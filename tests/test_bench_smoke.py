@@ -342,3 +342,22 @@ def test_bench_adaptive_redraw_rewrites_table_and_plot(tmp_path):
     assert (tmp_path / "adaptive_cpu.png").stat().st_size > 0
     with open(dst) as f:
         assert "reduced" in json.load(f)
+
+
+def test_bench_adaptive_names_choices_on_the_grid_edge():
+    """A method whose chosen rate is the smallest or largest of its grid is
+    named (the grid did not bracket its best rate); an interior choice is not."""
+    import bench_adaptive
+
+    def entry(lr, tried):
+        return {"lr": lr, "trials": [{"lr": x} for x in tried]}
+
+    grid = [1e-3, 3e-3, 1e-2]
+    res = {"presets": {"tiny": {"dense": entry(3e-3, grid),
+                                "targets": {"15.0": {"adaptive": entry(1e-2, grid),
+                                                     "fixed": entry(3e-3, grid)}}}}}
+    assert bench_adaptive._edge_choices(res) == ["tiny 15.0x adaptive (0.01)"]
+    res["presets"]["tiny"]["dense"] = entry(1e-3, grid)
+    assert bench_adaptive._edge_choices(res)[0] == "tiny - dense (0.001)"
+    res["presets"]["tiny"]["dense"] = entry(1e-3, [1e-3])  # one rate: no grid to speak of
+    assert bench_adaptive._edge_choices(res) == ["tiny 15.0x adaptive (0.01)"]
