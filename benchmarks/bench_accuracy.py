@@ -188,8 +188,15 @@ def select_lr(cfg, data, args):
     grid records, {config: (model, record)} of the chosen runs)."""
     seed, grid, kept = args.seeds[0], [], {}
     for lr in args.lr_grid:
-        for name, model, rec in (train_dense(cfg, data, args, lr, seed) +
-                                 train_comera(cfg, data, args, lr, seed, args.targets)):
+        try:
+            comera_runs = train_comera(cfg, data, args, lr, seed, args.targets)
+        except ValueError as e:  # a rate too large: RankAdaptive refuses NaN gates
+            comera_runs = []
+            for t in args.targets:
+                grid.append({"config": config_name(t), "lr": lr, "seed": seed,
+                             "valid_accuracy": None, "diverged": str(e)})
+                print(json.dumps(grid[-1]), flush=True)
+        for name, model, rec in train_dense(cfg, data, args, lr, seed) + comera_runs:
             rec = dict(rec, config=name, lr=lr, seed=seed, valid_accuracy=accuracy(model, data["valid"]))
             grid.append({k: v for k, v in rec.items() if k != "summary"})
             print(json.dumps(grid[-1]), flush=True)
@@ -303,8 +310,9 @@ def markdown(payload, args):
            " | ".join(f"lr {x:g}" for x in args.lr_grid) + " |",
            "|---|" + "---|" * len(args.lr_grid)]
     for name in agg:
-        cells = [next(f"{g['valid_accuracy'] * 100:.2f}" for g in payload["grid"]
-                      if g["config"] == name and g["lr"] == lr) for lr in args.lr_grid]
+        cells = [next("diverged" if g["valid_accuracy"] is None else f"{g['valid_accuracy'] * 100:.2f}"
+                      for g in payload["grid"] if g["config"] == name and g["lr"] == lr)
+                 for lr in args.lr_grid]
         md.append(f"| {name} | " + " | ".join(cells) + " |")
     at40 = [(n, a) for n, a in agg.items() if n != "dense" and a["compression"]["mean"] >= 40.0]
     if at40:

@@ -361,3 +361,25 @@ def test_bench_adaptive_names_choices_on_the_grid_edge():
     assert bench_adaptive._edge_choices(res)[0] == "tiny - dense (0.001)"
     res["presets"]["tiny"]["dense"] = entry(1e-3, [1e-3])  # one rate: no grid to speak of
     assert bench_adaptive._edge_choices(res) == ["tiny 15.0x adaptive (0.01)"]
+
+
+def test_bench_accuracy_grid_survives_a_diverged_rate(tmp_path, monkeypatch):
+    """A rate at which comera's training diverges (RankAdaptive refuses NaN
+    gates) is recorded as diverged and never chosen; the protocol goes on."""
+    import bench_accuracy
+    real = bench_accuracy.train_comera
+
+    def train_comera(cfg, data, args, lr, seed, targets):
+        if lr == 3e-3 and seed == args.seeds[0]:
+            raise ValueError("RankAdaptive.step: gate 0 of layer 'x' contains NaN")
+        return real(cfg, data, args, lr, seed, targets)
+
+    monkeypatch.setattr(bench_accuracy, "train_comera", train_comera)
+    bench_accuracy.main(["--quick", "--threads", "1", "--out", str(tmp_path),
+                         "--cache-dir", str(tmp_path / "cache")])
+    payload, md = _read(str(tmp_path), "accuracy_cpu_quick")
+    bad = [g for g in payload["grid"] if g.get("diverged")]
+    assert {g["config"] for g in bad} == {"comera (target 8x)", "comera (target 12x)"}
+    assert all(g["lr"] == 3e-3 and g["valid_accuracy"] is None for g in bad)
+    assert all(payload["chosen_lr"][g["config"]] == 1e-3 for g in bad)
+    assert "diverged" in md
