@@ -185,7 +185,7 @@ def markdown(res: dict) -> str:
     if res.get("reduced"):
         lines += [f"This is a reduced run of the protocol ({res['reduced']}); the full protocol is "
                   "`python benchmarks/bench_adaptive.py` (presets tiny and small at their own step "
-                  "counts, targets 15x, 25x and 40x, 3 seeds, lr grid 1e-3, 3e-3, 1e-2).", ""]
+                  "counts, targets 15x, 25x and 40x, 3 seeds, lr grid 3e-4 to 3e-2).", ""]
     lines += ["| preset | target | method | lr | valid loss | TT params | compression | "
               "ranks (first seed, first 3 layers) |", "|---|---|---|---|---|---|---|---|"]
     for pname, pres in res["presets"].items():
@@ -247,7 +247,7 @@ def plot(res: dict, path: str) -> None:
 
 
 FULL = {"presets": ["tiny", "small"], "targets": [15.0, 25.0, 40.0], "seeds": [0, 1, 2],
-        "lrs": [1e-3, 3e-3, 1e-2], "steps": None}
+        "lrs": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2], "steps": None}
 
 
 def reduced(res: dict) -> str:
@@ -279,7 +279,7 @@ def main(argv=None):
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--targets", nargs="+", type=float, default=[15.0, 25.0, 40.0])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
+    ap.add_argument("--lrs", nargs="+", type=float, default=[3e-4, 1e-3, 3e-3, 1e-2, 3e-2])
     ap.add_argument("--steps", type=int, default=None, help="default: each preset's")
     ap.add_argument("--rule", default="saliency", choices=["saliency", "magnitude"])
     ap.add_argument("--no-magnitude", action="store_true", help="skip the magnitude-rule runs")
