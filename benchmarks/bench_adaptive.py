@@ -16,9 +16,8 @@ rate of ``--lrs`` (one grid for all) is tried with the first seed, the one
 with the lowest validation loss is kept, and the other seeds run at it.
 Reported: mean +- std of the final validation MLM loss over the seeds.
 
-    python benchmarks/bench_adaptive.py                     # the full protocol (hours on a CPU)
-    python benchmarks/bench_adaptive.py --presets tiny --targets 15 25 --seeds 0 1 2 \\
-        --lrs 1e-3 3e-3 --steps 80                          # the reduced run recorded here
+    python benchmarks/bench_adaptive.py                     # the full protocol (days on a 2-core CPU)
+    python benchmarks/bench_adaptive.py --presets tiny      # the run recorded here (15 min)
 
 Writes benchmarks/results/adaptive_<device>.{json,md,png} (``--tag`` adds a
 suffix) with the command and the machine record.
