@@ -68,6 +68,10 @@ GPU machine.
 - Every method, dense included, picks from the **same grid** with the **same budget** (steps,
   batches, schedule, optimizer).
 - The test split is scored only after the choice, once per seed, at the chosen setting.
+- A choice on the edge of the grid means the grid did not bracket that method's best rate: the
+  grid is widened for every method and the run repeated. `bench_accuracy.py` and
+  `bench_adaptive.py` name any choice still on an edge under their tables; a rate at which
+  training diverges is recorded as such and never chosen.
 - Wherever accuracy or loss are compared: at least **3 seeds**, mean +- standard deviation.
 - Compression is reported for the compressed layers **and** for the whole model; for rank-adaptive
   runs also at the first step (the starting ranks alone) and at the last.
