@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import comera
 import code_docstring
-from common import RESULTS, write_results
+from common import RESULTS, edge_note, on_grid_edge, write_results
 from encoder import PRESETS, EncoderConfig, build_model
 from timing import assert_threads, finish_record, machine_line, machine_record
 
@@ -323,12 +323,10 @@ def markdown(payload, args):
                   f"configuration at >= 40x is {n}, {best['compression']['mean']:.1f}x at "
                   f"{best['test_accuracy']['mean'] * 100:.2f}%, {abs(gap):.2f} points "
                   f"{'below' if gap > 0 else 'above'} dense.")
-    # a choice on the grid's edge means the grid did not bracket the best lr
-    edge = [f"{n} ({payload['chosen_lr'][n]:g})" for n in agg
-            if payload["chosen_lr"][n] in (min(args.lr_grid), max(args.lr_grid))]
-    if edge:
-        md.append("\nChosen on the edge of the grid (a wider grid might choose otherwise): "
-                  + ", ".join(edge) + ".")
+    note = edge_note([f"{n} ({payload['chosen_lr'][n]:g})" for n in agg
+                      if on_grid_edge(payload["chosen_lr"][n], args.lr_grid)])
+    if note:
+        md.append("\n" + note)
     md.append("\n" + machine_line(payload["machine"]))
     md.append(f"\nReproduce: `python benchmarks/bench_accuracy.py {payload['flags']}`.\n")
     return "\n".join(md) + "\n"

@@ -38,6 +38,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
+from common import edge_note, on_grid_edge  # noqa: E402
 from timing import finish_record, machine_line, machine_record  # noqa: E402
 
 import comera  # noqa: E402
@@ -167,8 +168,7 @@ def _edge_choices(res: dict) -> list:
         entries += [(f"{tkey}x", m, t[m]) for tkey, t in pres["targets"].items()
                     for m in ("adaptive", "fixed") if m in t]
         for tkey, m, e in entries:
-            tried = [r["lr"] for r in e.get("trials", [])]
-            if len(tried) > 1 and e["lr"] in (min(tried), max(tried)):
+            if on_grid_edge(e["lr"], [r["lr"] for r in e.get("trials", [])]):
                 out.append(f"{pname} {tkey} {m} ({e['lr']:g})")
     return out
 
@@ -202,10 +202,9 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {pname} | {tkey}x | {m} | {e['lr']:g} | {e['valid_mean']:.4f} +- "
                              f"{e['valid_std']:.4f} | {e['converted_tt_mean']:,.0f} | "
                              f"{e['compression_mean']:.1f}x | {shown} |")
-    edge = _edge_choices(res)
-    if edge:
-        lines += ["", "Chosen on the edge of the lr grid (a wider grid might choose otherwise): "
-                  + ", ".join(edge) + "."]
+    note = edge_note(_edge_choices(res))
+    if note:
+        lines += ["", note]
     lines += ["", "Verdict (mean of the seeds; the issue's target: adaptive <= fixed at every target):", ""]
     for pname, pres in res["presets"].items():
         for tkey, t in pres["targets"].items():

@@ -121,3 +121,28 @@ def case_subprocess(module, case: dict, threads: int, timeout=1800):
     if got != {threads}:
         raise RuntimeError(f"case {case} asked for {threads} threads but reported {sorted(map(str, got))}")
     return res
+
+
+
+def on_grid_edge(chosen, tried) -> bool:
+    """True when ``chosen`` is the smallest or largest of several rates
+    ``tried``: the grid did not bracket that method's best rate.
+
+    Example:
+        >>> on_grid_edge(1e-2, [1e-3, 3e-3, 1e-2]), on_grid_edge(3e-3, [1e-3, 3e-3, 1e-2])
+        (True, False)
+    """
+    return len(tried) > 1 and chosen in (min(tried), max(tried))
+
+
+def edge_note(labels) -> str:
+    """The line under a table naming the choices on the edge of their grid
+    (labels such as ``"dense (0.001)"``), or '' when there is none.
+
+    Example:
+        >>> edge_note(["comera (0.01)"])
+        'Chosen on the edge of the grid (a wider grid might choose otherwise): comera (0.01).'
+    """
+    if not labels:
+        return ""
+    return "Chosen on the edge of the grid (a wider grid might choose otherwise): " + ", ".join(labels) + "."

@@ -198,19 +198,6 @@ inline int32_t shim_dtype(ScalarType t) {
     }
 }
 
-// Bytes per element of the output dtypes (shim_dtype's list).
-inline uint64_t elem_bytes(ScalarType t) {
-    switch (t) {
-        case ScalarType::Double:
-        case ScalarType::Long: return 8;
-        case ScalarType::Float:
-        case ScalarType::Int: return 4;
-        case ScalarType::BFloat16:
-        case ScalarType::Half: return 2;
-        default: return 1;
-    }
-}
-
 // A fresh contiguous tensor (an output) from torch's allocator, through the
 // stable C shim's aoti_torch_empty_strided: one direct call into
 // at::empty_strided.  (torch::stable::empty goes through the boxed
@@ -235,9 +222,9 @@ inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const Device 
         is_cuda(device) ? static_cast<int32_t>(device.index()) : 0, &out));
     Tensor t(out);
     if (!is_cuda(device)) {
-        uint64_t bytes = elem_bytes(dtype);
+        uint64_t bytes = aoti_torch_dtype_element_size(shim_dtype(dtype));
         for (size_t i = 0; i < ndim; i++) bytes *= static_cast<uint64_t>(sizes[i]);
-        if (bytes >= COMERA_HUGE_ADVICE_MIN_BYTES)
+        if (bytes >= COMERA_HUGE_ADVICE_MIN_BYTES)  // spares small outputs the data_ptr call
             comera_advise_huge_pages(t.data_ptr(), static_cast<size_t>(bytes));
     }
     return t;
