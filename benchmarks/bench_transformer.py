@@ -225,7 +225,8 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=30)
     ap.add_argument("--stage1", type=int, default=None)
     ap.add_argument("--stage2", type=int, default=None)
-    ap.add_argument("--gamma", type=float, default=1e-3)
+    ap.add_argument("--gamma", type=float, default=0.5,
+                    help="stage-1 L1 strength (a gate entry loses lr * gamma per step); the presets' value")
     ap.add_argument("--threshold", type=float, default=1e-2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--ra-batch", type=int, default=None)
