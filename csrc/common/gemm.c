@@ -56,14 +56,14 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
     if (M <= 0 || N <= 0) return;
     const comera_gemm_variant *v = comera_gemm_variant_in_use();
     int64_t panel_bytes = (K > 0 ? K : 1) * NR * (int64_t)sizeof(float);
-    int64_t nc = (B_BLOCK_BYTES / panel_bytes) * NR;
-    if (nc < NR) nc = NR;
+    int64_t nc = (B_BLOCK_BYTES / panel_bytes / v->nr) * v->nr;
+    if (nc < v->nr) nc = v->nr;
     for (int64_t jb = 0; jb < N; jb += nc) {
         int64_t jend = N - jb < nc ? N : jb + nc;
         for (int64_t i0 = 0; i0 < M; i0 += v->mr) {
             int mr = (int)(M - i0 < v->mr ? M - i0 : v->mr);
-            for (int64_t j0 = jb; j0 < jend; j0 += NR) {
-                int nr = (int)(N - j0 < NR ? N - j0 : NR);
+            for (int64_t j0 = jb; j0 < jend; j0 += v->nr) {
+                int nr = (int)(N - j0 < v->nr ? N - j0 : v->nr);
                 v->tile(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, C + i0 * ldc + j0, ldc, mr, nr,
                         accumulate);
             }

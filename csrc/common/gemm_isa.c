@@ -8,8 +8,11 @@
  *
  *   avx2     6 x 16: 12 ymm accumulators + 2 B vectors + 1 broadcast of 16
  *            registers, enough independent FMAs to cover their latency.
- *   avx512  12 x 16: one zmm per row, 12 accumulators (AVX-512F).  Never
- *            selected on a CPU without AVX-512F.
+ *   avx512  12 x 32: two packed panels at once, two zmm per row, 24
+ *            accumulators, so each broadcast of A feeds two FMAs (with one
+ *            panel, 12 x 16, the broadcasts alone kept the load ports as
+ *            busy as the FMAs kept the FMA units).  AVX-512F; never selected
+ *            on a CPU without it.
  *   generic  6 x 16 in plain C (SSE2 on x86-64 after vectorisation).
  */
 #include "common/gemm_isa.h"
@@ -29,12 +32,12 @@
 
 #define NR COMERA_GEMM_NR
 
-/* Writes (or adds) the first mr x nr of a row-major tile of 16-wide rows. */
-static void store_partial(const float *tile, int mr, int nr, float *C, int64_t ldc,
-                          int accumulate) {
+/* Writes (or adds) the first mr x nr of a row-major tile of `width`-wide rows. */
+static void store_partial(const float *tile, int width, int mr, int nr, float *C,
+                          int64_t ldc, int accumulate) {
     for (int i = 0; i < mr; i++) {
         float *c = C + i * ldc;
-        const float *t = tile + i * NR;
+        const float *t = tile + i * width;
         if (accumulate)
             for (int j = 0; j < nr; j++) c[j] += t[j];
         else
@@ -63,7 +66,7 @@ static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
             for (int j = 0; j < NR; j++) acc[i][j] += s * b[j];
         }
     }
-    store_partial(&acc[0][0], mr, nr, C, ldc, accumulate);
+    store_partial(&acc[0][0], NR, mr, nr, C, ldc, accumulate);
 }
 
 #ifdef COMERA_X86_VARIANTS
@@ -106,14 +109,15 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
         _mm256_storeu_ps(tile + i * NR, c0[i]);
         _mm256_storeu_ps(tile + i * NR + 8, c1[i]);
     }
-    store_partial(tile, mr, nr, C, ldc, accumulate);
+    store_partial(tile, NR, mr, nr, C, ldc, accumulate);
 }
 
 #define AVX512_MR 12
+/* One panel, nr <= 16: 12 rows of one zmm each. */
 __attribute__((target("avx512f")))
-static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                        int accumulate) {
+static void tile_avx512_narrow(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                               const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                               int accumulate) {
     const float *a[AVX512_MR];
     row_pointers(a, AVX512_MR, A, rsa, mr);
     __m512 c[AVX512_MR];
@@ -126,29 +130,68 @@ static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
         for (int i = 0; i < AVX512_MR; i++)
             c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i][o]), b, c[i]);
     }
-    if (mr == AVX512_MR && nr == NR) {
-#pragma GCC unroll 12
-        for (int i = 0; i < AVX512_MR; i++) {
-            float *ci = C + i * ldc;
-            if (accumulate) c[i] = _mm512_add_ps(c[i], _mm512_loadu_ps(ci));
-            _mm512_storeu_ps(ci, c[i]);
-        }
-        return;
-    }
     float tile[AVX512_MR * NR];
 #pragma GCC unroll 12
     for (int i = 0; i < AVX512_MR; i++) _mm512_storeu_ps(tile + i * NR, c[i]);
-    store_partial(tile, mr, nr, C, ldc, accumulate);
+    store_partial(tile, NR, mr, nr, C, ldc, accumulate);
+}
+
+/* nr <= 32: columns 16..31 come from the next panel, Bp + 16 * K (packing
+ * pads a last partial panel with zeros). */
+__attribute__((target("avx512f")))
+static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                        int accumulate) {
+    if (nr <= NR) {
+        tile_avx512_narrow(K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        return;
+    }
+    const float *a[AVX512_MR];
+    row_pointers(a, AVX512_MR, A, rsa, mr);
+    const float *B1 = Bp + K * NR;
+    __m512 c0[AVX512_MR], c1[AVX512_MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < AVX512_MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 b0 = _mm512_loadu_ps(Bp + k * NR), b1 = _mm512_loadu_ps(B1 + k * NR);
+        int64_t o = k * csa;
+#pragma GCC unroll 12
+        for (int i = 0; i < AVX512_MR; i++) {
+            __m512 s = _mm512_set1_ps(a[i][o]);
+            c0[i] = _mm512_fmadd_ps(s, b0, c0[i]);
+            c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
+        }
+    }
+    if (mr == AVX512_MR && nr == 2 * NR) {
+#pragma GCC unroll 12
+        for (int i = 0; i < AVX512_MR; i++) {
+            float *ci = C + i * ldc;
+            if (accumulate) {
+                c0[i] = _mm512_add_ps(c0[i], _mm512_loadu_ps(ci));
+                c1[i] = _mm512_add_ps(c1[i], _mm512_loadu_ps(ci + NR));
+            }
+            _mm512_storeu_ps(ci, c0[i]);
+            _mm512_storeu_ps(ci + NR, c1[i]);
+        }
+        return;
+    }
+    float tile[AVX512_MR * 2 * NR];
+#pragma GCC unroll 12
+    for (int i = 0; i < AVX512_MR; i++) {
+        _mm512_storeu_ps(tile + i * 2 * NR, c0[i]);
+        _mm512_storeu_ps(tile + i * 2 * NR + NR, c1[i]);
+    }
+    store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate);
 }
 #endif
 
 /* Best first: the automatic choice is the first one the CPU runs. */
 static const comera_gemm_variant VARIANTS[] = {
 #ifdef COMERA_X86_VARIANTS
-    {"avx512", AVX512_MR, tile_avx512},
-    {"avx2", AVX2_MR, tile_avx2},
+    {"avx512", AVX512_MR, 2 * NR, tile_avx512},
+    {"avx2", AVX2_MR, NR, tile_avx2},
 #endif
-    {"generic", GENERIC_MR, tile_generic},
+    {"generic", GENERIC_MR, NR, tile_generic},
 };
 #define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 

@@ -1,6 +1,7 @@
 /* The float32 micro-kernel variants of common/gemm.c and the one choice among
  * them (internal to csrc).  A tile computes C[0..mr) x [0..nr) (+)= A * Bp
- * for one packed 16-column panel Bp, mr <= the variant's rows, nr <= 16.
+ * for packed 16-column panels from Bp on, mr <= the variant's rows, nr <= its
+ * columns (16, or 32 for a variant that reads two adjacent panels).
  * The variant is chosen once per process (common/gemm_isa.c): the best one
  * the CPU runs, or the one COMERA_ISA names (docs/design.md section 5). */
 #ifndef COMERA_GEMM_ISA_H
@@ -15,6 +16,7 @@ typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t 
 typedef struct comera_gemm_variant {
     const char *name; /* "avx512", "avx2" or "generic" */
     int mr;           /* rows of A per tile */
+    int nr;           /* columns per tile: a multiple of COMERA_GEMM_NR */
     comera_tile_f32 tile;
 } comera_gemm_variant;
 

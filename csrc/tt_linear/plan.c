@@ -105,7 +105,9 @@ int64_t comera_tt_row_block(const tt_shape *s) {
     int64_t rb = (64 * 1024) / wide;
     if (rb < 12) rb = 12;
     if (rb > 240) rb = 240;
-    return rb;
+    /* whole micro-kernel tiles (6 or 12 rows): a block of 85 rows would end
+     * in a 1-row tile that costs as much as a full one */
+    return rb - rb % 12;
 }
 
 /* Batch-dependent sizes: x or y rows and the t rows, in bytes. */
