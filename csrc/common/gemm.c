@@ -17,7 +17,16 @@ int64_t comera_gemm_packed_size(int64_t K, int64_t N) {
 
 void comera_gemm_pack_b_f32(int64_t K, int64_t N, const float *B,
                             int64_t rsb, int64_t csb, float *packed) {
-    for (int64_t j0 = 0; j0 < N; j0 += NR) {
+    int64_t j_whole = csb == 1 ? N - N % NR : 0;
+    /* row-major B: each row read once, front to back, its whole panels
+     * copied 16 floats at a time (a panel at a time would read one strip of
+     * every row, rows a power-of-two-ish stride apart) */
+    for (int64_t k = 0; k < K && j_whole > 0; k++) {
+        const float *src = B + k * rsb;
+        for (int64_t j0 = 0; j0 < j_whole; j0 += NR)
+            memcpy(packed + j0 * K + k * NR, src + j0, sizeof(float) * NR);
+    }
+    for (int64_t j0 = j_whole; j0 < N; j0 += NR) {
         int64_t nr = N - j0 < NR ? N - j0 : NR;
         float *dst = packed + j0 * K;
         for (int64_t k = 0; k < K; k++) {
