@@ -35,6 +35,18 @@ def advice_off(fn):
     return run
 
 
+def route_off(fn):
+    """fn with comera's routing to torch's BLAS switched off for the call
+    (COMERA_ROUTE=comera: the C kernels only)."""
+    def run():
+        os.environ["COMERA_ROUTE"] = "comera"
+        try:
+            fn()
+        finally:
+            del os.environ["COMERA_ROUTE"]
+    return run
+
+
 def max_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

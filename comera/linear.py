@@ -7,6 +7,7 @@ from torch import nn
 
 from comera import tt
 from comera.layer_base import TTLayerMixin, param_list
+from comera.ops import route
 from comera.ops.linear import PATHS, tt_linear, tt_linear_plan
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -170,7 +171,8 @@ class TTLinear(TTLayerMixin, nn.Module):
     # ------------------------------------------------------------ inspection
     def plan(self, batch: Optional[int] = None) -> dict:
         """The C planner's choice and cost model for ``batch`` rows (default:
-        the rows of the last forward call).
+        the rows of the last forward call), and under ``"route"`` whether such
+        calls run in comera's kernels or torch's BLAS (:mod:`comera.ops.route`).
 
         Example:
             >>> import comera
@@ -182,6 +184,13 @@ class TTLinear(TTLayerMixin, nn.Module):
                              self.in_features, self.out_features, batch)
         if self.path != "auto":
             out["path"] = self.path
+            out["route"] = {"choice": "comera", "why": f"path={self.path!r}"}
+        elif out["path"] != "merge":
+            out["route"] = {"choice": "comera", "why": "the planner chose the sequential path"}
+        else:
+            out["route"] = route.describe(list(self.cores), self.bias is not None,
+                                          self.num_in_cores, self.in_features,
+                                          self.out_features, batch)
         return out
 
     def _dense_wt(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
+from comera.ops import route
 from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -208,6 +209,9 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     Under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``)
     and forward-mode AD the call goes through an ``autograd.Function`` with
     ``setup_context``, a vmap rule and a ``jvp`` (see :mod:`comera.ops.func`).
+    A large float32 CPU call with ``path="auto"`` may run in torch's BLAS
+    instead of the C kernels, where that was measured faster (see
+    :mod:`comera.ops.route`).
 
     Example:
         >>> import torch, comera
@@ -237,6 +241,8 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     if func_active():
         y = _linear_function(x2.contiguous(), list(cores), list(gates), bias, num_in_cores,
                              out_features, PATHS[path])
+    elif route.use_torch(x2, cores, gates, bias, num_in_cores, out_features, path):
+        y = route.merge_torch(x2, list(cores), list(gates), bias, num_in_cores, out_features)
     else:
         y, _ = torch.ops.comera.tt_linear(x2.contiguous(), list(cores), list(gates), bias,
                                           num_in_cores, out_features, PATHS[path])
