@@ -24,27 +24,26 @@ def keep_freed_memory():
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def advice_off(fn):
-    """fn with comera's huge-page advice switched off for the call."""
+def with_env(fn, name, value):
+    """fn with the environment variable ``name`` set to ``value`` for the call."""
     def run():
-        os.environ["COMERA_HUGE_PAGES"] = "0"
+        os.environ[name] = value
         try:
             fn()
         finally:
-            del os.environ["COMERA_HUGE_PAGES"]
+            del os.environ[name]
     return run
+
+
+def advice_off(fn):
+    """fn with comera's huge-page advice switched off for the call."""
+    return with_env(fn, "COMERA_HUGE_PAGES", "0")
 
 
 def route_off(fn):
     """fn with comera's routing to torch's BLAS switched off for the call
     (COMERA_ROUTE=comera: the C kernels only)."""
-    def run():
-        os.environ["COMERA_ROUTE"] = "comera"
-        try:
-            fn()
-        finally:
-            del os.environ["COMERA_ROUTE"]
-    return run
+    return with_env(fn, "COMERA_ROUTE", "comera")
 
 
 def max_rss_bytes():
