@@ -161,18 +161,22 @@ def use_torch(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
               bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
               path: str) -> bool:
     """Whether this call (``x`` 2-D, in the compute dtype) runs in torch ops."""
-    if torch.compiler.is_compiling():
+    if path != "auto":
         return False
-    if path != "auto" or x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[0] == 0:
+    mode = os.environ.get(ENV) or "auto"
+    rows, in_features = x.shape
+    # the common case first and cheaply: a small call (this runs on every forward)
+    if mode == "auto" and _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
         return False
-    if torch.is_autocast_enabled("cpu"):
-        return False  # torch's matmuls would run in autocast's dtype, the C kernel in float32
-    mode = _mode()
+    if mode not in _MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
+            or rows == 0 or torch.is_autocast_enabled("cpu")):
+        # compiled graphs keep the C op; under autocast torch's matmuls would run in
+        # its dtype, the C kernel in float32
+        return False
     if mode != "auto":
         return mode == "torch"
-    rows, in_features = x.shape
-    if _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
-        return False
     grad = _wants_grad(x, cores, gates, bias)
     key = _key(cores, bias is not None, rows, grad)
     hit = _choices.get(key)
