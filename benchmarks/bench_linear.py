@@ -28,7 +28,7 @@ from torch import nn
 
 import comera
 from comera import tt
-from common import (advice_off, route_off, keep_freed_memory, peak_memory_subprocess, peak_rss_bytes,
+from common import (advice_off, routed, keep_freed_memory, peak_memory_subprocess, peak_rss_bytes,
                     reset_peak_rss, rss_bytes, write_results)
 from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
@@ -89,7 +89,7 @@ def time_case(in_f, out_f, rank, reps):
     methods = {"nn.Linear": step_fn(build("nn.Linear", in_f, out_f, 0), x, gy),
                "comera.TTLinear": step_fn(ttl, x, gy),
                "TTLinear advice off": advice_off(step_fn(ttl, x, gy)),
-               "TTLinear C kernels": route_off(step_fn(ttl, x, gy)),
+               "TTLinear routed": routed(step_fn(ttl, x, gy)),
                "matmul merge": step_fn(build("matmul merge", in_f, out_f, rank), x, gy)}
     return ttl, interleaved(methods, reps=reps)
 
@@ -127,18 +127,20 @@ def main():
                 med = {m: v["wall"]["median"] for m, v in t.items()}
                 plan = ttl.plan(ROWS)
                 cost = plan[plan["path"]]
+                route = {}
+                routed(lambda: route.update(ttl.plan(ROWS)["route"]))()
                 roof = max(cost["flops"] / machine["sgemm_flops_per_s"],
                            cost["bytes"] / machine["copy_bytes_per_s"])
                 rows.append({
                     "threads": nt, "in": in_f, "out": out_f, "rank": rank, "rows": ROWS,
-                    "ranks": ttl.ranks, "path": plan["path"], "route": plan["route"],
+                    "ranks": ttl.ranks, "path": plan["path"], "route": route,
                     "plan_flops": cost["flops"],
                     "plan_bytes": cost["bytes"], "timing": t,
                     "time_dense_s": med["nn.Linear"], "time_tt_s": med["comera.TTLinear"],
                     "time_matmul_merge_s": med["matmul merge"],
                     "time_tt_no_advice_s": med["TTLinear advice off"],
-                    "time_tt_c_kernels_s": med["TTLinear C kernels"],
-                    "c_kernels_speedup_vs_matmul_merge": med["matmul merge"] / med["TTLinear C kernels"],
+                    "time_tt_routed_s": med["TTLinear routed"],
+                    "routed_speedup_vs_matmul_merge": med["matmul merge"] / med["TTLinear routed"],
                     "speedup_vs_dense": med["nn.Linear"] / med["comera.TTLinear"],
                     "speedup_vs_matmul_merge": med["matmul merge"] / med["comera.TTLinear"],
                     "roofline_efficiency": roof / med["comera.TTLinear"],
@@ -166,22 +168,21 @@ def markdown(payload, args):
           "TTLinear and the merge path in torch.matmul timed round-robin in one process. Freed "
           "memory stays in the heap for every method (mallopt, as with jemalloc/tcmalloc). "
           "'advice off': TTLinear without comera's huge-page advice on its outputs, same "
-          "rounds. 'route': where TTLinear ran its products (its C kernels, or torch's BLAS "
-          "where its one-off measurement in the warm-up found that faster, comera.ops.route); "
-          "'C kernels': TTLinear with COMERA_ROUTE=comera, same rounds. GLIBC_TUNABLES: "
+          "rounds. 'routed': TTLinear with COMERA_ROUTE=auto (opt-in; comera.ops.route), same "
+          "rounds, and where it ran the products: its C kernels or torch's BLAS, as its one-off "
+          "timing in the warm-up found faster. GLIBC_TUNABLES: "
           f"{payload['glibc_tunables'] or 'unset'}.\n",
-          "| threads | in -> out | rank | path | route | nn.Linear ms | TTLinear ms | TTLinear ms "
-          "advice off | C kernels ms | matmul merge ms | x dense | x matmul merge | C kernels x "
+          "| threads | in -> out | rank | path | nn.Linear ms | TTLinear ms | TTLinear ms advice "
+          "off | matmul merge ms | x dense | x matmul merge | routed to | routed ms | routed x "
           "matmul merge | roofline eff. | peak MB dense / TT / merge |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["cases"]:
         md.append(f"| {r['threads']} | {r['in']} -> {r['out']} | {r['rank']} | {r['path']} | "
-                  f"{r['route']['choice']} | "
                   f"{r['time_dense_s'] * 1e3:.2f} | {r['time_tt_s'] * 1e3:.2f} | "
-                  f"{r['time_tt_no_advice_s'] * 1e3:.2f} | {r['time_tt_c_kernels_s'] * 1e3:.2f} | "
+                  f"{r['time_tt_no_advice_s'] * 1e3:.2f} | "
                   f"{r['time_matmul_merge_s'] * 1e3:.2f} | {r['speedup_vs_dense']:.1f} | "
-                  f"{r['speedup_vs_matmul_merge']:.2f} | "
-                  f"{r['c_kernels_speedup_vs_matmul_merge']:.2f} | "
+                  f"{r['speedup_vs_matmul_merge']:.2f} | {r['route']['choice']} | "
+                  f"{r['time_tt_routed_s'] * 1e3:.2f} | {r['routed_speedup_vs_matmul_merge']:.2f} | "
                   f"{r['roofline_efficiency'] * 100:.0f}% | "
                   f"{mb(r.get('peak_mem_dense_bytes'))} / {mb(r.get('peak_mem_tt_bytes'))} / "
                   f"{mb(r.get('peak_mem_matmul_merge_bytes'))} |")

@@ -91,16 +91,12 @@ def linear_time_case(case):
     case["ranks"]: built in this process, timed interleaved."""
     out = []
     for rank in case["ranks"]:
-        built = {method: _layer_and_step(method, dict(case, rank=0 if method == "nn.Linear"
-                                                      else rank))
-                 for method in LINEAR_METHODS}
-        t = interleaved({m: b[1] for m, b in built.items()}, reps=case.get("reps", 7), warmup=2,
-                        budget_s=case.get("budget_s"))
-        # comera's own choice between its C kernels and torch's BLAS (comera.ops.route),
-        # made in the warm-up
-        route = built["comera.TTLinear"][0].plan(case["rows"])["route"]
-        out.append({"rank": rank, "threads": torch.get_num_threads(), "timing": t,
-                    "comera_route": route})
+        steps = {}
+        for method in LINEAR_METHODS:
+            steps[method] = _layer_and_step(method, dict(case, rank=0 if method == "nn.Linear"
+                                                         else rank))[1]
+        t = interleaved(steps, reps=case.get("reps", 7), warmup=2, budget_s=case.get("budget_s"))
+        out.append({"rank": rank, "threads": torch.get_num_threads(), "timing": t})
     return out
 
 
@@ -133,8 +129,7 @@ def linear_part(args):
         times = run_one({"kind": "linear_time", "in": in_f, "out": out_f, "ranks": ranks,
                          "rows": rows, "reps": args.reps, "budget_s": args.budget}, args)
         for rank, t in zip(ranks, times):
-            res = {"in": in_f, "out": out_f, "rank": rank, "rows": rows, "methods": {},
-                   "comera_route": t.get("comera_route")}
+            res = {"in": in_f, "out": out_f, "rank": rank, "rows": rows, "methods": {}}
             for method in LINEAR_METHODS:
                 m = memory[method][0 if method == "nn.Linear" else rank]
                 tm = t["timing"][method]
@@ -206,12 +201,9 @@ def markdown(payload):
                f"{payload['linear'][0]['rows']} rows. Rank = comera's rank; the tltorch \"equal "
                "params\" columns use the rank giving comera's parameter count (shown as r=). "
                "x = comera's wall-clock speed-up over that method; MB = peak memory growth during "
-               "the step. comera runs = where comera.TTLinear ran its products: its C kernels, "
-               "or torch's BLAS where its one-off measurement found that faster "
-               "(comera.ops.route).\n",
-               "| in -> out | rank | " + " | ".join(LINEAR_METHODS) + " | comera fastest | "
-               "comera runs |",
-               "|---|---|" + "---|" * len(LINEAR_METHODS) + "---|---|"]
+               "the step.\n",
+               "| in -> out | rank | " + " | ".join(LINEAR_METHODS) + " | comera fastest |",
+               "|---|---|" + "---|" * len(LINEAR_METHODS) + "---|"]
         for r in payload["linear"]:
             cells = []
             for meth in LINEAR_METHODS:
@@ -219,9 +211,8 @@ def markdown(payload):
                 x = "" if meth == "comera.TTLinear" else f" ({r['comera_speedup'][meth]:.1f}x)"
                 rk = f" r={m['built_rank']}" if meth.endswith("equal params)") else ""
                 cells.append(f"{_spread(m['wall'])}{x} / {_mb(m['peak_bytes'])} MB{rk}")
-            route = (r.get("comera_route") or {}).get("choice", "-")
             md.append(f"| {r['in']} -> {r['out']} | {r['rank']} | " + " | ".join(cells) +
-                      f" | {'yes' if r['comera_fastest'] else 'no'} | {route} |")
+                      f" | {'yes' if r['comera_fastest'] else 'no'} |")
         md.append("\nParameters per layer: " + "; ".join(
             f"{r['in']}->{r['out']} r{r['rank']}: " + ", ".join(
                 f"{k} {v['params']}" for k, v in r["methods"].items()) for r in payload["linear"][:4]) +

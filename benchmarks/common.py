@@ -40,10 +40,10 @@ def advice_off(fn):
     return with_env(fn, "COMERA_HUGE_PAGES", "0")
 
 
-def route_off(fn):
-    """fn with comera's routing to torch's BLAS switched off for the call
-    (COMERA_ROUTE=comera: the C kernels only)."""
-    return with_env(fn, "COMERA_ROUTE", "comera")
+def routed(fn):
+    """fn with comera's routing to torch's BLAS switched on for the call
+    (COMERA_ROUTE=auto; off by default, comera.ops.route)."""
+    return with_env(fn, "COMERA_ROUTE", "auto")
 
 
 def max_rss_bytes():

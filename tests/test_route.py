@@ -10,10 +10,21 @@ from comera.ops import route
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
-    monkeypatch.delenv(route.ENV, raising=False)
+    """Routing on (it is opt-in) and nothing cached."""
+    monkeypatch.setenv(route.ENV, "auto")
     route.clear()
     yield
     route.clear()
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv(route.ENV)
+    monkeypatch.setattr(route, "MIN_FLOPS", 0.0)
+    layer = comera.TTLinear(64, 96, rank=6)
+    y = layer(torch.randn(40, 64, requires_grad=True))
+    assert route.choices() == {} and not _uses_torch(y)
+    r = layer.plan(40)["route"]
+    assert r["choice"] == "comera" and "opt-in" in r["why"]
 
 
 def _uses_torch(y):

@@ -1,26 +1,30 @@
-"""Routing a TT linear call to torch's BLAS where that is measured faster.
+"""Routing a TT linear call to torch's BLAS where that is measured faster
+(opt-in: ``COMERA_ROUTE=auto``).
 
 On the merge path a TT linear call is two batch-sized products (``x V``,
 then ``T U``; four more in its backward) around two small merges of the
 cores.  comera's C kernels run them; on some machines and shapes the BLAS
 that torch already carries is as fast (wide ranks on an AVX-512 Xeon,
-docs/design.md section 5).  So a float32 CPU call with ``path="auto"``
-whose forward costs at least :data:`MIN_FLOPS` is timed once both ways, on
-its own input (forward, and backward when gradients are wanted; interleaved,
-the fastest of 5 rounds after a warm-up), and the faster way is cached per key: core
+docs/design.md section 5).  With ``COMERA_ROUTE=auto`` in the environment
+(read per call), a float32 CPU call with ``path="auto"`` whose forward costs
+at least :data:`MIN_FLOPS` is timed once both ways, on its own input
+(forward, and backward when gradients are wanted; interleaved, the fastest
+of 5 rounds after a warm-up), and the faster way is cached per key: core
 shapes, bias, gradient wanted or not, rows rounded up to a power of two and
 torch's thread count.  Later calls with the same key follow the cache.  The
 torch way is the paper's scheme: the cores merged into ``V`` and ``U`` with
 autograd, then ``addmm(bias, x V, U)``.
 
+Off by default, like ``torch.backends.cudnn.benchmark``: the one-off timing
+raises the first call's peak memory (about 2x for 768 -> 3072 at 4096 rows),
+and where the two ways are within a machine's noise the choice can differ
+between runs, and with it the last bits of the results.  ``comera`` (or
+unset) runs the C kernels only; ``torch`` routes every eligible call.
+
 Never routed: smaller calls (the C kernel's lower per-call overhead wins
 there; never timed), calls that ``torch.compile`` traces (the compiled graph
-holds the C kernel's op), torch.func transforms, ``torch.autocast("cpu")``, float64,
-CUDA.  The environment
-variable ``COMERA_ROUTE`` (read per call) forces one way: ``comera`` (never
-route; bit-for-bit the C kernels) or ``torch`` (route every eligible call,
-timed or not); ``auto`` or unset is the rule above.  ``TTLinear.plan()``
-shows the choice for its layer.
+holds the C kernel's op), torch.func transforms, ``torch.autocast("cpu")``,
+float64, CUDA.  ``TTLinear.plan()`` shows the choice for its layer.
 
 Example:
     >>> import torch, comera
@@ -28,7 +32,7 @@ Example:
     >>> layer = comera.TTLinear(256, 256, rank=8)
     >>> layer(torch.randn(8, 256)).shape
     torch.Size([8, 256])
-    >>> layer.plan(8)["route"]["choice"]   # 8 rows: too small to time
+    >>> layer.plan(8)["route"]["choice"]   # COMERA_ROUTE unset: the C kernels
     'comera'
 """
 import os
@@ -65,7 +69,7 @@ def choices() -> Dict[tuple, dict]:
 
 
 def _mode() -> str:
-    mode = os.environ.get(ENV, "auto") or "auto"
+    mode = os.environ.get(ENV) or "comera"
     if mode not in _MODES:
         raise ValueError(f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
     return mode
@@ -164,7 +168,9 @@ def use_torch(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     """Whether this call (``x`` 2-D, in the compute dtype) runs in torch ops."""
     if path != "auto":
         return False
-    mode = os.environ.get(ENV) or "auto"
+    mode = os.environ.get(ENV)
+    if mode is None or mode == "comera":
+        return False  # the default: one env lookup per forward
     rows, in_features = x.shape
     # the common case first and cheaply: a small call (this runs on every forward)
     if mode == "auto" and _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
@@ -203,6 +209,9 @@ def describe(cores: Sequence[torch.Tensor], has_bias: bool, num_in_cores: int, i
     dev, dtype = cores[0].device.type, cores[0].dtype
     if dev != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return {"choice": "comera", "why": f"only float32 CPU calls are routed ({dev}, {dtype})"}
+    if os.environ.get(ENV) is None:
+        return {"choice": "comera", "why": f"{ENV} unset: the C kernels (routing is opt-in, "
+                f"{ENV}=auto)"}
     if mode != "auto":
         return {"choice": mode, "why": f"{ENV}={mode}"}
     if _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
