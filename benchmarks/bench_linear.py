@@ -127,8 +127,7 @@ def main():
                 med = {m: v["wall"]["median"] for m, v in t.items()}
                 plan = ttl.plan(ROWS)
                 cost = plan[plan["path"]]
-                route = {}
-                routed(lambda: route.update(ttl.plan(ROWS)["route"]))()
+                route = routed(lambda: ttl.plan(ROWS)["route"])()
                 roof = max(cost["flops"] / machine["sgemm_flops_per_s"],
                            cost["bytes"] / machine["copy_bytes_per_s"])
                 rows.append({

@@ -25,11 +25,12 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def with_env(fn, name, value):
-    """fn with the environment variable ``name`` set to ``value`` for the call."""
+    """fn with the environment variable ``name`` set to ``value`` for the
+    call (returns fn's result)."""
     def run():
         os.environ[name] = value
         try:
-            fn()
+            return fn()
         finally:
             del os.environ[name]
     return run

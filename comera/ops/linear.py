@@ -209,9 +209,9 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     Under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``, ``jvp``)
     and forward-mode AD the call goes through an ``autograd.Function`` with
     ``setup_context``, a vmap rule and a ``jvp`` (see :mod:`comera.ops.func`).
-    A large float32 CPU call with ``path="auto"`` may run in torch's BLAS
-    instead of the C kernels, where that was measured faster (see
-    :mod:`comera.ops.route`).
+    With ``COMERA_ROUTE=auto`` (opt-in), a large float32 CPU call with
+    ``path="auto"`` may run in torch's BLAS instead of the C kernels, where
+    that was measured faster (see :mod:`comera.ops.route`).
 
     Example:
         >>> import torch, comera

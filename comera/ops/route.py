@@ -166,38 +166,32 @@ def use_torch(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
               bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
               path: str) -> bool:
     """Whether this call (``x`` 2-D, in the compute dtype) runs in torch ops."""
-    if path != "auto":
-        return False
-    mode = os.environ.get(ENV)
-    if mode is None or mode == "comera":
+    if path != "auto" or not os.environ.get(ENV):
         return False  # the default: one env lookup per forward
+    mode = _mode()
+    if mode == "comera":
+        return False
     rows, in_features = x.shape
-    # the common case first and cheaply: a small call (this runs on every forward)
     if mode == "auto" and _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
         return False
-    if mode not in _MODES:
-        raise ValueError(f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32
             or rows == 0 or torch.is_autocast_enabled("cpu")):
         # compiled graphs keep the C op; under autocast torch's matmuls would run in
         # its dtype, the C kernel in float32
         return False
-    if mode != "auto":
-        return mode == "torch"
+    if mode == "torch":
+        return True
     grad = _wants_grad(x, cores, gates, bias)
     key = _key(cores, bias is not None, rows, grad)
-    hit = _choices.get(key)
-    if hit is None:
-        if not _merge_planned(cores, num_in_cores, rows, in_features, out_features):
-            hit = {"choice": "comera", "comera_s": None, "torch_s": None}
-        else:
+    if key not in _choices:
+        hit = None
+        if _merge_planned(cores, num_in_cores, rows, in_features, out_features):
             try:
                 hit = _time_both(x, cores, gates, bias, num_in_cores, out_features, grad)
             except RuntimeError:
-                # e.g. out of memory for the second copy: keep the C kernel
-                hit = {"choice": "comera", "comera_s": None, "torch_s": None}
-        _choices[key] = hit
-    return hit["choice"] == "torch"
+                pass  # e.g. out of memory for the second copy: keep the C kernel
+        _choices[key] = hit or {"choice": "comera", "comera_s": None, "torch_s": None}
+    return _choices[key]["choice"] == "torch"
 
 
 def describe(cores: Sequence[torch.Tensor], has_bias: bool, num_in_cores: int, in_features: int,
@@ -205,13 +199,13 @@ def describe(cores: Sequence[torch.Tensor], has_bias: bool, num_in_cores: int, i
     """The routing of a layer's calls of ``rows`` rows, for ``TTLinear.plan()``:
     ``choice`` ("comera", "torch", or "not timed yet"), ``why``, and the
     timings of the training and inference keys where measured."""
-    mode = _mode()
     dev, dtype = cores[0].device.type, cores[0].dtype
     if dev != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return {"choice": "comera", "why": f"only float32 CPU calls are routed ({dev}, {dtype})"}
-    if os.environ.get(ENV) is None:
+    if not os.environ.get(ENV):
         return {"choice": "comera", "why": f"{ENV} unset: the C kernels (routing is opt-in, "
                 f"{ENV}=auto)"}
+    mode = _mode()
     if mode != "auto":
         return {"choice": mode, "why": f"{ENV}={mode}"}
     if _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:

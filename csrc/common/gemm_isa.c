@@ -130,6 +130,15 @@ static void tile_avx512_narrow(int64_t K, const float *A, int64_t rsa, int64_t c
         for (int i = 0; i < AVX512_MR; i++)
             c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i][o]), b, c[i]);
     }
+    if (mr == AVX512_MR && nr == NR) {
+#pragma GCC unroll 12
+        for (int i = 0; i < AVX512_MR; i++) {
+            float *ci = C + i * ldc;
+            if (accumulate) c[i] = _mm512_add_ps(c[i], _mm512_loadu_ps(ci));
+            _mm512_storeu_ps(ci, c[i]);
+        }
+        return;
+    }
     float tile[AVX512_MR * NR];
 #pragma GCC unroll 12
     for (int i = 0; i < AVX512_MR; i++) _mm512_storeu_ps(tile + i * NR, c[i]);
