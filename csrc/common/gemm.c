@@ -65,7 +65,8 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
     if (M <= 0 || N <= 0) return;
     const comera_gemm_variant *v = comera_gemm_variant_in_use();
     int64_t panel_bytes = (K > 0 ? K : 1) * NR * (int64_t)sizeof(float);
-    int64_t nc = (B_BLOCK_BYTES / panel_bytes / v->nr) * v->nr;
+    int64_t nc = (B_BLOCK_BYTES / panel_bytes) * NR; /* columns */
+    nc -= nc % v->nr;
     if (nc < v->nr) nc = v->nr;
     for (int64_t jb = 0; jb < N; jb += nc) {
         int64_t jend = N - jb < nc ? N : jb + nc;

@@ -116,6 +116,16 @@ void test_gemm(void) {
             }
     group_end();
 
+    /* B larger than the block the driver keeps in L2 (160 KB): several
+     * column blocks, the last one partial and not a whole tile wide */
+    group_begin("gemm packed B in several column blocks");
+    static const int64_t BIG[][3] = {{13, 700, 400}, {25, 1000, 300}, {7, 97, 3000}};
+    for (int s = 0; s < 3; s++)
+        for (int l = 0; l < 9; l += 4)
+            for (int acc = 0; acc < 2; acc++)
+                gemm_case(&g, BIG[s][0], BIG[s][1], BIG[s][2], l / 3, l % 3, acc);
+    group_end();
+
     /* packed_size covers every panel, and K == 0 leaves C alone (acc) or
      * zeroes it; the packed B of a K x N operand is never read past its end
      * (exact-size buffers above let ASan check that). */
