@@ -11,8 +11,9 @@
  *   avx512  12 x 32: two packed panels at once, two zmm per row, 24
  *            accumulators, so each broadcast of A feeds two FMAs (with one
  *            panel, 12 x 16, the broadcasts alone kept the load ports as
- *            busy as the FMAs kept the FMA units).  AVX-512F; never selected
- *            on a CPU without it.
+ *            busy as the FMAs kept the FMA units); 8- and 4-row forms for
+ *            the last rows of a product.  AVX-512F; never selected on a CPU
+ *            without it.
  *   generic  6 x 16 in plain C (SSE2 on x86-64 after vectorisation).
  */
 #include "common/gemm_isa.h"
@@ -113,84 +114,70 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
 }
 
 #define AVX512_MR 12
-/* One panel, nr <= 16: 12 rows of one zmm each. */
-__attribute__((target("avx512f")))
-static void tile_avx512_narrow(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                               const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                               int accumulate) {
+/* The AVX-512 tile for ROWS rows of A and PANELS (1 or 2) packed panels:
+ * ROWS x PANELS zmm accumulators.  Always inlined with constant ROWS and
+ * PANELS, so each caller below is its own fully unrolled tile. */
+__attribute__((target("avx512f"), always_inline))
+static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, int64_t rsa,
+                               int64_t csa, const float *Bp, float *C, int64_t ldc, int mr,
+                               int nr, int accumulate) {
     const float *a[AVX512_MR];
-    row_pointers(a, AVX512_MR, A, rsa, mr);
-    __m512 c[AVX512_MR];
-#pragma GCC unroll 12
-    for (int i = 0; i < AVX512_MR; i++) c[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m512 b = _mm512_loadu_ps(Bp + k * NR);
-        int64_t o = k * csa;
-#pragma GCC unroll 12
-        for (int i = 0; i < AVX512_MR; i++)
-            c[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i][o]), b, c[i]);
-    }
-    if (mr == AVX512_MR && nr == NR) {
-#pragma GCC unroll 12
-        for (int i = 0; i < AVX512_MR; i++) {
-            float *ci = C + i * ldc;
-            if (accumulate) c[i] = _mm512_add_ps(c[i], _mm512_loadu_ps(ci));
-            _mm512_storeu_ps(ci, c[i]);
-        }
-        return;
-    }
-    float tile[AVX512_MR * NR];
-#pragma GCC unroll 12
-    for (int i = 0; i < AVX512_MR; i++) _mm512_storeu_ps(tile + i * NR, c[i]);
-    store_partial(tile, NR, mr, nr, C, ldc, accumulate);
-}
-
-/* nr <= 32: columns 16..31 come from the next panel, Bp + 16 * K (packing
- * pads a last partial panel with zeros). */
-__attribute__((target("avx512f")))
-static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                        int accumulate) {
-    if (nr <= NR) {
-        tile_avx512_narrow(K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
-        return;
-    }
-    const float *a[AVX512_MR];
-    row_pointers(a, AVX512_MR, A, rsa, mr);
+    row_pointers(a, ROWS, A, rsa, mr);
     const float *B1 = Bp + K * NR;
     __m512 c0[AVX512_MR], c1[AVX512_MR];
 #pragma GCC unroll 12
-    for (int i = 0; i < AVX512_MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m512 b0 = _mm512_loadu_ps(Bp + k * NR), b1 = _mm512_loadu_ps(B1 + k * NR);
+        __m512 b0 = _mm512_loadu_ps(Bp + k * NR);
+        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * NR) : b0;
         int64_t o = k * csa;
 #pragma GCC unroll 12
-        for (int i = 0; i < AVX512_MR; i++) {
+        for (int i = 0; i < ROWS; i++) {
             __m512 s = _mm512_set1_ps(a[i][o]);
             c0[i] = _mm512_fmadd_ps(s, b0, c0[i]);
-            c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
+            if (PANELS == 2) c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
         }
     }
-    if (mr == AVX512_MR && nr == 2 * NR) {
+    if (mr == ROWS && nr == PANELS * NR) {
 #pragma GCC unroll 12
-        for (int i = 0; i < AVX512_MR; i++) {
+        for (int i = 0; i < ROWS; i++) {
             float *ci = C + i * ldc;
-            if (accumulate) {
-                c0[i] = _mm512_add_ps(c0[i], _mm512_loadu_ps(ci));
-                c1[i] = _mm512_add_ps(c1[i], _mm512_loadu_ps(ci + NR));
-            }
+            if (accumulate) c0[i] = _mm512_add_ps(c0[i], _mm512_loadu_ps(ci));
             _mm512_storeu_ps(ci, c0[i]);
+            if (PANELS == 1) continue;
+            if (accumulate) c1[i] = _mm512_add_ps(c1[i], _mm512_loadu_ps(ci + NR));
             _mm512_storeu_ps(ci + NR, c1[i]);
         }
         return;
     }
     float tile[AVX512_MR * 2 * NR];
 #pragma GCC unroll 12
-    for (int i = 0; i < AVX512_MR; i++) {
+    for (int i = 0; i < ROWS; i++) {
         _mm512_storeu_ps(tile + i * 2 * NR, c0[i]);
-        _mm512_storeu_ps(tile + i * 2 * NR + NR, c1[i]);
+        if (PANELS == 2) _mm512_storeu_ps(tile + i * 2 * NR + NR, c1[i]);
     }
     store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate);
+}
+
+/* Up to 12 rows and 32 columns (columns 16..31 from the next panel, Bp +
+ * 16 * K; packing pads a last partial panel with zeros).  A short tile runs
+ * on 8 or 4 rows: the weight-gradient products have M = rank or rank + 1
+ * rows (17 would cost 24 rows of 12-row tiles, 20 with 12 + 8). */
+__attribute__((target("avx512f")))
+static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                        int accumulate) {
+    int panels = nr <= NR ? 1 : 2;
+    if (mr > 8) {
+        if (panels == 1) avx512_rows(12, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        else avx512_rows(12, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+    } else if (mr > 4) {
+        if (panels == 1) avx512_rows(8, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        else avx512_rows(8, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+    } else {
+        if (panels == 1) avx512_rows(4, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        else avx512_rows(4, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+    }
 }
 #endif
 
