@@ -4,6 +4,7 @@
  */
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
+#include "common/workspace.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -123,11 +124,13 @@ int comera_gemm_f32(int64_t M, int64_t N, int64_t K,
         }
         return 0;
     }
-    float *packed = malloc(sizeof(float) * (size_t)comera_gemm_packed_size(K, N));
+    int cached = 0;
+    float *packed = comera_ws_acquire(sizeof(float) * (size_t)comera_gemm_packed_size(K, N),
+                                      &cached);
     if (!packed) return -3;
     comera_gemm_pack_b_f32(K, N, B, rsb, csb, packed);
     comera_gemm_packed_f32(M, N, K, A, rsa, csa, packed, C, ldc, accumulate);
-    free(packed);
+    comera_ws_release(packed, cached);
     return 0;
 }
 

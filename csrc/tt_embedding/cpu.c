@@ -4,40 +4,10 @@
  * found by its name.  Checks, index grouping and the planner are in plan.c. */
 #include "tt_embedding/shape.h"
 #include "common/gemm.h"
+#include "common/workspace.h"
 
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ------------------------------------------------------------ workspace */
-
-static atomic_flag ws_busy = ATOMIC_FLAG_INIT;
-static void *ws_block;
-static size_t ws_bytes;
-
-void *comera_emb_ws_acquire(size_t bytes, int *cached) {
-    if (!atomic_flag_test_and_set_explicit(&ws_busy, memory_order_acquire)) {
-        if (ws_bytes < bytes) {
-            free(ws_block);
-            ws_block = malloc(bytes);
-            ws_bytes = ws_block ? bytes : 0;
-        }
-        if (ws_block) {
-            *cached = 1;
-            return ws_block;
-        }
-        atomic_flag_clear_explicit(&ws_busy, memory_order_release);
-    }
-    *cached = 0;
-    return malloc(bytes);
-}
-
-void comera_emb_ws_release(void *block, int cached) {
-    if (cached)
-        atomic_flag_clear_explicit(&ws_busy, memory_order_release);
-    else
-        free(block);
-}
 
 /* Below this much work per thread a parallel region costs more than it
  * saves: fork and join, and on a busy machine threads that spin while they

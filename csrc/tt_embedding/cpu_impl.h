@@ -203,7 +203,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     int cached = 0;
-    REAL *pf = comera_emb_ws_acquire(sizeof(REAL) * (size_t)(s->pf_off[d] + 1), &cached);
+    REAL *pf = comera_ws_acquire(sizeof(REAL) * (size_t)(s->pf_off[d] + 1), &cached);
     REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
     REAL *rowbuf = bag ? malloc(sizeof(REAL) * (size_t)(rows.count * dp + 1)) : NULL;
     int64_t *uid = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
@@ -270,7 +270,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         }
     }
 done:
-    if (pf) comera_emb_ws_release(pf, cached);
+    if (pf) comera_ws_release(pf, cached);
     free(eff); free(ws); free(rowbuf); free(uid);
     comera_emb_rows_free(&rows);
     return rc;
@@ -313,7 +313,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     /* packed slices and the private gradient copies share one reused block */
     int cached = 0;
     int64_t npriv = nc * (nt - 1);
-    REAL *pf = comera_emb_ws_acquire(
+    REAL *pf = comera_ws_acquire(
         sizeof(REAL) * (size_t)(s->pf_off[d] + s->pb_off[d] + npriv + 1), &cached);
     REAL *pb = pf ? pf + s->pf_off[d] : NULL;
     REAL *priv = pf && nt > 1 ? pb + s->pb_off[d] : NULL;
@@ -385,7 +385,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         }
     FN(emb_finish_grads)(s, cores, gates, dcores, dgates);
 done:
-    if (pf) comera_emb_ws_release(pf, cached);
+    if (pf) comera_ws_release(pf, cached);
     free(eff); free(ws); free(bag_of); free(scale);
     comera_emb_rows_free(&rows);
     return rc;

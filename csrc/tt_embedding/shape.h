@@ -28,16 +28,6 @@ int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b
                           int dedup, emb_rows *rows);
 void comera_emb_rows_free(emb_rows *rows);
 
-/* The packed cores (and per-thread gradient copies) are about twice the
- * cores' size and are needed on every call.  Fresh pages from the system
- * cost more than filling them (page faults, zeroing, unmapping: several ms
- * for a 1M-row table), so one grow-only block is kept and reused; a call
- * that finds it in use (concurrent calls) allocates its own.  *cached
- * tells comera_emb_ws_release which case it was. */
-void *comera_emb_ws_acquire(size_t bytes, int *cached);
-void comera_emb_ws_release(void *block, int cached);
-
-
 /* Positions that belong to a bag: offsets[num_bags] (== n) in bag modes, else n. */
 int64_t comera_emb_used(const comera_tt_embedding_batch *b);
 

@@ -4,6 +4,7 @@
  * be found by its name.  Checks and planning are in plan.c (prepare). */
 #include "tt_linear/shape.h"
 #include "common/gemm.h"
+#include "common/workspace.h"
 
 #include <stdlib.h>
 #include <string.h>

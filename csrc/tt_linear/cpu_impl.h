@@ -4,6 +4,18 @@
  * Everything here is static; the public names are written out in cpu.c. */
 #include <omp.h>
 
+/* Carves consecutive pieces of n[i] elements, each starting on a 64-byte
+ * boundary, out of one workspace block; returns the elements needed when
+ * block is NULL. */
+static int64_t FN(carve)(REAL *block, int count, const int64_t *n, REAL **piece) {
+    int64_t off = 0, line = 64 / (int64_t)sizeof(REAL);
+    for (int i = 0; i < count; i++) {
+        if (block) piece[i] = block + off;
+        off += (n[i] + line - 1) / line * line;
+    }
+    return off;
+}
+
 /* core k times its gate on the last rank index; the last core has none */
 static void FN(make_eff)(const tt_shape *s, const REAL *const *cores,
                          const REAL *const *gates, REAL *eff) {
@@ -116,38 +128,36 @@ static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
     int nt = threads_for(nthreads, blocks);
-    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
-    REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
-    REAL *Vp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(in, rm));
-    REAL *Up = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(re, out));
-    REAL *Te = malloc(sizeof(REAL) * (size_t)(rb * re * nt));
-    int rc = (eff && P && Vp && Up && Te) ? COMERA_OK : COMERA_ERR_NOMEM;
-    if (!rc) rc = FN(build_merges)(s, cores, gates, eff, P);
+    /* eff, P, Vp, Up, Te (per thread), Ub: one reused block */
+    int64_t n[6] = {s->core_off[s->D], s->P_off[s->D], comera_gemm_packed_size(in, rm),
+                    comera_gemm_packed_size(re, out), rb * re * nt, bias ? re * out : 0};
+    REAL *part[6];
+    int cached = 0;
+    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)FN(carve)(NULL, 6, n, part), &cached);
+    if (!block) return COMERA_ERR_NOMEM;
+    FN(carve)(block, 6, n, part);
+    REAL *eff = part[0], *P = part[1], *Vp = part[2], *Up = part[3], *Te = part[4], *Ub = part[5];
+    int rc = FN(build_merges)(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         FN(comera_gemm_pack_b)(in, rm, V, rm, 1, Vp);
-        /* [U; bias]: U's rows are the panel rows 0..rm-1, the bias row rm */
-        FN(comera_gemm_pack_b)(rm, out, U, s->out_pad, 1, Up);
         if (bias) {
-            REAL *Ub = malloc(sizeof(REAL) * (size_t)(re * out));
-            if (!Ub) rc = COMERA_ERR_NOMEM;
-            else {
-                for (int64_t c = 0; c < rm; c++)
-                    memcpy(Ub + c * out, U + c * s->out_pad, sizeof(REAL) * (size_t)out);
-                memcpy(Ub + rm * out, bias, sizeof(REAL) * (size_t)out);
-                FN(comera_gemm_pack_b)(re, out, Ub, out, 1, Up);
-                free(Ub);
-            }
+            /* [U; bias]: U's rows are the panel rows 0..rm-1, the bias row rm */
+            for (int64_t c = 0; c < rm; c++)
+                memcpy(Ub + c * out, U + c * s->out_pad, sizeof(REAL) * (size_t)out);
+            memcpy(Ub + rm * out, bias, sizeof(REAL) * (size_t)out);
+            FN(comera_gemm_pack_b)(re, out, Ub, out, 1, Up);
+        } else {
+            FN(comera_gemm_pack_b)(rm, out, U, s->out_pad, 1, Up);
         }
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            if (rc) continue;
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
             FN(fwd_block)(s, nr, x + r0 * in, Vp, Up, bias != NULL, t + r0 * rm, y + r0 * out,
                           Te + rb * re * omp_get_thread_num());
         }
     }
-    free(eff); free(P); free(Vp); free(Up); free(Te);
+    comera_ws_release(block, cached);
     return rc;
 }
 
@@ -194,15 +204,23 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int nt = threads_for(nthreads, blocks);
     int64_t per = out * re + in * rm + rb * rm + rb * re +
                   comera_gemm_packed_size(rb, in > out ? in : out);
-    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
-    REAL *deff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
-    REAL *P = malloc(sizeof(REAL) * (size_t)s->P_off[s->D]);
-    REAL *dP = calloc((size_t)s->P_off[s->D], sizeof(REAL));
-    REAL *UTp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(out, rm));
-    REAL *VTp = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(rm, in));
-    REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
-    int rc = (eff && deff && P && dP && UTp && VTp && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
-    if (!rc) rc = FN(build_merges)(s, cores, gates, eff, P);
+    /* eff, deff, P, dP, UTp, VTp, per-thread ws: one reused block */
+    int64_t n[7] = {s->core_off[s->D], s->core_off[s->D], s->P_off[s->D], s->P_off[s->D],
+                    comera_gemm_packed_size(out, rm), comera_gemm_packed_size(rm, in), per * nt};
+    REAL *part[7];
+    int cached = 0;
+    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)FN(carve)(NULL, 7, n, part), &cached);
+    if (!block) return COMERA_ERR_NOMEM;
+    FN(carve)(block, 7, n, part);
+    REAL *eff = part[0], *deff = part[1], *P = part[2], *dP = part[3];
+    REAL *UTp = part[4], *VTp = part[5], *ws = part[6];
+    /* the sums start at zero: d(P) (read at the chain ends) and each
+     * thread's d(U) and d(V)^T; its S, [T | 1] and packed block are written
+     * before they are read */
+    memset(dP, 0, sizeof(REAL) * (size_t)n[3]);
+    for (int th = 0; th < nt; th++)
+        memset(ws + per * th, 0, sizeof(REAL) * (size_t)(out * re + in * rm));
+    int rc = FN(build_merges)(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         FN(comera_gemm_pack_b)(out, rm, U, 1, s->out_pad, UTp);
@@ -243,7 +261,7 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
         if (!rc) rc = FN(merge_chain_bwd)(s, s->p, s->D - 1, eff, P, dP, deff);
         if (!rc) FN(eff_grads)(s, cores, gates, deff, dcores, dgates);
     }
-    free(eff); free(deff); free(P); free(dP); free(UTp); free(VTp); free(ws);
+    comera_ws_release(block, cached);
     return rc;
 }
 
