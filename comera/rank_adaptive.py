@@ -65,7 +65,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from comera.layer_base import dense_params, mode_size, tt_layers
+from comera.gate_flat import FlatGates
+from comera.layer_base import dense_params, mode_size, param_list, tt_layers
 from comera.ops.gate_prox import gate_prox_
 from comera.balance import balance_  # noqa: F401  (comera.rank_adaptive.balance_ stays importable)
 from comera.prune import _keep_indices, prune
@@ -93,6 +94,14 @@ def _check_int(name: str, value, low: int) -> int:
 
 # Running average of the saliency |g * dL/dg|: weight of the past.
 SALIENCY_DECAY = 0.9
+
+
+def _flat_cat(fg: FlatGates, tensors: List[torch.Tensor]) -> torch.Tensor:
+    """fg.cat on the first tensor's device (gates on several devices meet there)."""
+    home = tensors[0].device if tensors else torch.device("cpu")
+    return fg.cat([t.to(home) for t in tensors])
+
+
 STAGE2_RULES = ("saliency", "magnitude")
 
 
@@ -204,6 +213,7 @@ class RankAdaptive:
         self._attached: Optional[torch.optim.Optimizer] = None
         self._in_hook = False
         self._dc: Optional[DeviceController] = None  # the controller's state on the device
+        self._fg: Optional[FlatGates] = None  # offsets of the gates in one flat vector
         self._sync_signs(force=True)
 
     # ------------------------------------------------------------- state
@@ -243,7 +253,13 @@ class RankAdaptive:
         return gates[0].device.type == "cuda"
 
     def _gates(self) -> List[nn.Parameter]:
-        return [g for _, layer in self._layers for g in layer.gates]
+        return [g for _, layer in self._layers for g in param_list(layer.gates)]
+
+    def _flat(self, tensors: List[torch.Tensor]) -> FlatGates:
+        """The gates' flat layout (comera.gate_flat), rebuilt when the sizes change."""
+        if self._fg is None or not self._fg.matches(tensors):
+            self._fg = FlatGates([t.numel() for t in tensors])
+        return self._fg
 
     def _sync_signs(self, force: bool = False) -> None:
         """(Re)builds the sign vectors from the gates when their shapes no
@@ -263,10 +279,12 @@ class RankAdaptive:
         return [[mode_size(c) for c in layer.cores] for _, layer in self._layers]
 
     def _live(self) -> List[List[int]]:
+        fg = self._flat(self._signs)
+        counts = fg.counts(_flat_cat(fg, self._signs) != 0)
         out, j = [], 0
         for _, layer in self._layers:
             n = len(layer.gates)
-            out.append([int(torch.count_nonzero(s)) for s in self._signs[j:j + n]])
+            out.append(counts[j:j + n])
             j += n
         return out
 
@@ -411,51 +429,77 @@ class RankAdaptive:
                                deferred=True)
 
     def _host_step(self, gates: List[nn.Parameter], optimizer) -> None:
-        """The step with the host controller (reads the device)."""
+        """The step with the host controller (reads the device), on the gates
+        concatenated into one flat vector (comera.gate_flat): a few tensor
+        operations per step instead of a few per gate."""
         self._pull()
         self._dc = None
-        bad = [i for i, g in enumerate(gates) if bool(torch.isnan(g).any())]
-        if bad:
+        fg = self._flat(gates)
+        data = [g.data for g in gates]
+        flat = _flat_cat(fg, data)  # a copy: the values before this step
+        if bool(torch.isnan(flat).any()):
+            bad = {i for i, g in enumerate(data) if bool(torch.isnan(g).any())}
             self._raise_on_nan([-1 if i in bad else 0 for i in range(len(gates))])
-        # saliency: running average of |g dL/dg| (the gradient of this step)
-        for g, sal in zip(gates, self._saliency):
-            if g.grad is not None and g.grad.shape == g.shape:
-                sal.mul_(SALIENCY_DECAY).add_((g.detach() * g.grad).abs().double(),
-                                              alpha=1.0 - SALIENCY_DECAY)
+        self._update_saliency(gates, fg, flat)
         kill = not self.frozen
         # with a target, the controller reviews the kernel's deaths and may add its own
         review = kill and self._ctl.target_size is not None
-        before = [g.detach().clone() for g in gates] if review else None
-        signs_before = [s.clone() for s in self._signs] if review else None
+        signs_before = _flat_cat(fg, self._signs) if review else None
         if kill:
-            self._shrink(gates, optimizer)
-        live = gate_prox_([g.data for g in gates], self._signs, self.threshold,
-                          self.min_rank, kill)
+            self._shrink(gates, optimizer, fg, flat)
+        live = gate_prox_(data, self._signs, self.threshold, self.min_rank, kill)
         self._raise_on_nan(live.tolist())
         if review:
-            died = [(sb != 0) & (s == 0) & (b != 0)
-                    for sb, s, b in zip(signs_before, self._signs, before)]
-            proposals = [Proposal(gi, j, float(before[gi][j].abs()))
-                         for gi, d in enumerate(died) for j in torch.nonzero(d).flatten().tolist()]
+            died_flat = (signs_before != 0) & (_flat_cat(fg, self._signs) == 0) & (flat != 0)
+            where = torch.nonzero(died_flat).flatten()
+            proposals = [Proposal(gi, j, m) for (gi, j), m in
+                         zip(fg.locate(where), flat[where].abs().tolist())]
+            before, died = fg.split(flat), fg.split(died_flat)
             decision = self._ctl.decide(self._step, self._shapes(), self._live(), proposals,
                                         lambda: self._scores(before, died))
             self._commit(decision, before)
 
-    def _shrink(self, gates: List[torch.Tensor], optimizer) -> None:
+    def _update_saliency(self, gates: List[nn.Parameter], fg: FlatGates,
+                         flat: torch.Tensor) -> None:
+        """Running average of |g dL/dg| (the gradient of this step)."""
+        grads = [g.grad for g in gates]
+        if all(gr is not None and gr.shape == g.shape for gr, g in zip(grads, gates)):
+            contrib = (flat * _flat_cat(fg, grads)).abs().double()
+            torch._foreach_mul_(self._saliency, SALIENCY_DECAY)
+            torch._foreach_add_(self._saliency, [c.to(s.device) for c, s in
+                                                 zip(fg.split(contrib), self._saliency)],
+                                alpha=1.0 - SALIENCY_DECAY)
+            return
+        for g, sal in zip(gates, self._saliency):  # some gates got no gradient this step
+            if g.grad is not None and g.grad.shape == g.shape:
+                sal.mul_(SALIENCY_DECAY).add_((g.detach() * g.grad).abs().double(),
+                                              alpha=1.0 - SALIENCY_DECAY)
+
+    def _shrink(self, gates: List[torch.Tensor], optimizer, fg: FlatGates,
+                flat: torch.Tensor) -> None:
         """Decoupled L1 step ``g <- sign(g) max(|g| - lr * strength, 0)``; a
         gate that it would leave with fewer than ``min_rank`` non-zero entries
-        keeps its largest ones unshrunk (the kernel then keeps them alive)."""
-        for g, sign, lr, strength in zip(gates, self._signs, self._group_lrs(optimizer, gates),
-                                         self.shrink_strength()):
-            if lr is None or strength <= 0 or g.numel() == 0:
-                continue
-            # dead entries may have been moved by the optimizer (momentum): the kernel re-zeroes them
-            old = torch.where(sign != 0, g.data, torch.zeros_like(g.data))
-            g.data.copy_(old.sign() * (old.abs() - lr * strength).clamp_min(0))
-            need = min(self.min_rank, int(torch.count_nonzero(old)))
-            if int(torch.count_nonzero(g.data)) < need:
-                top = torch.topk(old.abs(), need).indices
-                g.data[top] = torch.where(g.data[top] != 0, g.data[top], old[top])
+        keeps its largest ones unshrunk (the kernel then keeps them alive).
+        ``flat``: the gates' values concatenated (comera.gate_flat)."""
+        amounts = [float(lr * strength) if lr is not None and strength > 0 and g.numel() else None
+                   for g, lr, strength in zip(gates, self._group_lrs(optimizer, gates),
+                                              self.shrink_strength())]
+        if all(a is None for a in amounts):
+            return
+        # dead entries may have been moved by the optimizer (momentum): the kernel re-zeroes them
+        old = torch.where(_flat_cat(fg, self._signs).to(flat.device) != 0, flat,
+                          torch.zeros_like(flat))
+        step = fg.per_entry([a or 0.0 for a in amounts], flat.dtype, flat.device)
+        applied = fg.per_entry([a is not None for a in amounts], torch.bool, flat.device)
+        new = torch.where(applied, old.sign() * (old.abs() - step).clamp_min(0), flat)
+        nz_old, nz_new = fg.counts(old != 0), fg.counts(new != 0)
+        olds, news = fg.split(old), fg.split(new)
+        for gi, a in enumerate(amounts):
+            need = min(self.min_rank, nz_old[gi])
+            if a is not None and nz_new[gi] < need:
+                top = torch.topk(olds[gi].abs(), need).indices
+                news[gi][top] = torch.where(news[gi][top] != 0, news[gi][top], olds[gi][top])
+        torch._foreach_copy_([g.data for g in gates], [n.to(g.device) for n, g in zip(news, gates)])
 
     def _raise_on_nan(self, live: List[int], deferred: bool = False) -> None:
         bad = [i for i, v in enumerate(live) if v < 0]
