@@ -3,7 +3,8 @@
 #   1. builds the extension with COMERA_CUDA=1 for this GPU's architecture
 #      (pip install --no-build-isolation --no-deps -e .; no network needed);
 #   2. runs the tests marked needs_cuda;
-#   3. runs the GPU benchmarks (benchmarks/gpu_bench.py).
+#   3. runs the GPU benchmarks (benchmarks/gpu_bench.py);
+#   4. runs comera pretrain --preset paper (bf16), dense and CoMERA, 100 steps.
 # Everything it writes goes to $OUT:
 #   env.txt build.log pytest.log pytest.xml gpu_bench.json gpu_bench.md
 #   summary.md                       what passed, what failed, the targets
@@ -79,11 +80,15 @@ if [[ "$build_status" == ok* || "$DRY" = 1 ]]; then
     fi
     if "$PY" -c 'import pytest' 2>/dev/null; then
         files=$(grep -l needs_cuda tests/test_*.py)
-        tsec=$(( $(left) - 150 ))  # the benchmarks keep 150 s
+        tsec=$(( $(left) - 200 ))  # the benchmarks and pre-training keep 200 s
         [ "$tsec" -gt 240 ] && tsec=240
         [ "$tsec" -lt 30 ] && tsec=30
         say "tests (${tsec}s at most): $files"
-        timeout "$tsec" "$PY" -m pytest -m needs_cuda -q -p no:cacheprovider -rfE \
+        # several workers where pytest-xdist is there: the torch.compile
+        # tests spend most of their time compiling on the CPU
+        workers=()
+        "$PY" -c 'import xdist' 2>/dev/null && [ "$DRY" != 1 ] && workers=(-n "${GPU_CHECK_WORKERS:-6}")
+        timeout "$tsec" "$PY" -m pytest -m needs_cuda -q -p no:cacheprovider -rfE "${workers[@]}" \
             --junitxml="$OUT/pytest.xml" $files > "$OUT/pytest.log" 2>&1
         rc=$?
         tail_line="$(grep -E '(passed|failed|skipped|error)' "$OUT/pytest.log" | tail -n 1)"
@@ -102,7 +107,7 @@ say "tests: $test_status"
 
 # ---- 3. benchmarks --------------------------------------------------------
 if [[ "$build_status" == ok* || "$DRY" = 1 ]]; then
-    bsec=$(( $(left) - 10 ))
+    bsec=$(( $(left) - 70 ))  # pre-training keeps 70 s
     [ "$bsec" -lt 60 ] && bsec=60
     extra=()
     [ "$DRY" = 1 ] && extra=(--device cpu --tiny)
@@ -129,6 +134,33 @@ else
 fi
 say "benchmarks: $bench_status"
 
+# ---- 4. comera pretrain --preset paper: tokens/s, CoMERA against dense ----
+pretrain_status="not run"
+if [[ "$build_status" == ok* || "$DRY" = 1 ]] && [ "$(left)" -gt 40 ]; then
+    pt=(--preset paper --method both --precision bf16 --stop-after "${GPU_CHECK_PRETRAIN_STEPS:-100}"
+        --max-files 300 --quiet --out "$OUT/pretrain")
+    [ "$DRY" = 1 ] && pt=(--preset tiny --method both --stop-after 2 --max-files 40 --quiet
+                          --device cpu --out "$OUT/pretrain")
+    say "comera pretrain (${pt[*]}, $(( $(left) - 5 ))s at most)"
+    timeout $(( $(left) - 5 )) "$PY" -m comera pretrain "${pt[@]}" > "$OUT/pretrain.log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ] && [ -f "$OUT/pretrain/metrics.json" ]; then
+        pretrain_status="$("$PY" - "$OUT/pretrain/metrics.json" <<'PY'
+import json, sys
+m = json.load(open(sys.argv[1]))["methods"]
+d, c = m["dense"], m["comera"]
+print(f"ok: {c['steps_done']} steps, dense {d['tokens_per_s']:.0f} tokens/s, CoMERA "
+      f"{c['tokens_per_s']:.0f} tokens/s ({c['tokens_per_s'] / d['tokens_per_s']:.2f}x; "
+      f"target 2x), compression {c['compression_whole']:.2f}x")
+PY
+)"
+        cp "$OUT/pretrain/metrics.json" "$OUT/pretrain_metrics.json"
+    else
+        pretrain_status="FAILED (exit $rc; see pretrain.log)"
+    fi
+fi
+say "pretrain: $pretrain_status"
+
 # ---- summary --------------------------------------------------------------
 {
     echo "# comera gpu_check $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -140,6 +172,7 @@ say "benchmarks: $bench_status"
     echo "- build: $build_status"
     echo "- tests (needs_cuda): $test_status"
     echo "- benchmarks: $bench_status"
+    echo "- comera pretrain --preset paper (bf16): $pretrain_status"
     echo "- wall time: $(( $(date +%s) - t0 )) s"
     if [ -f "$OUT/pytest.log" ]; then
         echo
@@ -155,4 +188,12 @@ say "benchmarks: $bench_status"
     fi
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
+# GPU_CHECK_PACK=1: every log in one archive beside summary.md and results/
+# (for a transfer that brings back only a few files)
+if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then
+    tgz="$(mktemp)"
+    tar czf "$tgz" -C "$OUT" --exclude=summary.md --exclude=results --exclude=./pretrain . \
+        && find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.md ! -name results -exec rm -rf {} + \
+        && mv "$tgz" "$OUT/logs.tgz"
+fi
 [[ "$build_status" == ok* || "$DRY" = 1 ]] && [[ "$test_status" == ok* ]] && [ "$bench_status" = ok ]

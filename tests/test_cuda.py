@@ -232,6 +232,7 @@ def test_cuda_graph_captures_a_whole_training_step(kind):
     opt_g.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
         static_loss = _train_step(graphed, opt_g, static_x, static_y)
+    before = [p.detach().clone() for p in graphed.parameters()]  # capture runs nothing
     losses_g = []
     for x, y in batches[3:]:
         static_x.copy_(x)
@@ -247,7 +248,9 @@ def test_cuda_graph_captures_a_whole_training_step(kind):
             losses_e.append(loss.item())
     torch.cuda.synchronize()
     assert losses_g == pytest.approx(losses_e, rel=1e-4, abs=1e-6)
-    assert losses_e[-1] < losses_e[0]  # it trains, so replays really stepped
+    # the replays really stepped: every parameter moved (the loss of a few
+    # steps on different random batches need not fall: seen on an H200)
+    assert all(not torch.equal(b, p) for b, p in zip(before, graphed.parameters()))
     for pg, pe in zip(graphed.parameters(), eager.parameters()):
         torch.testing.assert_close(pg, pe, atol=1e-5, rtol=1e-4)
 

@@ -34,7 +34,12 @@
 // header-only builtin exception, which torch rethrows to pybind11 unchanged;
 // the one pybind11 header below, nothing linked).  Called from C++ (not
 // through Python) they are plain std::exception subclasses.
+// torch < 2.13 refuses this header under TORCH_TARGET_VERSION (an #error
+// meant for headers that link libtorch_python); this one links nothing.
+#pragma push_macro("TORCH_TARGET_VERSION")
+#undef TORCH_TARGET_VERSION
 #include <pybind11/detail/common.h>
+#pragma pop_macro("TORCH_TARGET_VERSION")
 
 #include "comera/status.h"
 #include "common/pages.h"
@@ -42,7 +47,9 @@
 #ifdef COMERA_WITH_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <torch/csrc/stable/accelerator.h>
+#include <torch/headeronly/version.h>
 
 #include <map>
 #include <mutex>
@@ -124,6 +131,12 @@ inline std::string shape_text(const Tensor &t) { return list_text(t.sizes()); }
     } while (0)
 
 // ---- tensors
+
+// torch < 2.13 names the shim's error check TORCH_ERROR_CODE_CHECK
+// (source builds against the torch of a GPU image; the wheel needs 2.13)
+#ifndef STABLE_TORCH_ERROR_CODE_CHECK
+#define STABLE_TORCH_ERROR_CODE_CHECK TORCH_ERROR_CODE_CHECK
+#endif
 
 inline bool is_cuda(const Device &d) { return d.type() == torch::headeronly::DeviceType::CUDA; }
 inline bool is_cpu(const Device &d) { return d.type() == torch::headeronly::DeviceType::CPU; }
@@ -295,37 +308,55 @@ struct CudaGuard {
 };
 
 // torch's current stream of a device, through the stable accelerator API.
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
 inline cudaStream_t current_stream(const Device &d) {
     return static_cast<cudaStream_t>(
         torch::stable::accelerator::getCurrentStream(d.index()).nativeHandle());
 }
+#else
+// torch < 2.13 (a source build against a GPU image's torch): its stable
+// Stream has no native handle; the CUDA shim has one, in libtorch_cuda, which
+// this module does not link, so it is looked up in the loaded library.
+inline cudaStream_t current_stream(const Device &d) {
+    using Fn = AOTITorchError (*)(int32_t, void **);
+    static Fn fn = [] {
+        void *lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+        return lib ? reinterpret_cast<Fn>(dlsym(lib, "aoti_torch_get_current_cuda_stream"))
+                   : nullptr;
+    }();
+    COMERA_CHECK(fn != nullptr, "comera: libtorch_cuda.so is not loaded (import torch first)");
+    void *stream = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(fn(static_cast<int32_t>(d.index()), &stream));
+    return static_cast<cudaStream_t>(stream);
+}
+#endif
 
-// One cuBLAS handle per (device, stream), owned by the extension: torch's
+// One cuBLAS handle per (thread, device), owned by the extension: torch's
 // handle pool (at::cuda::getCurrentCUDABlasHandle) is not in the stable ABI.
-// A handle is created on the call's device (the guard is active), bound to
-// its stream once, and never reconfigured, so threads may share it (cuBLAS
-// is thread-safe for a handle whose configuration does not change).  Default
-// math mode: no TF32 (torch.backends.cuda.matmul.allow_tf32 does not reach
-// these handles).  Handles live for the process (as torch's do).
+// Per thread, not per stream: a CUDA graph captures on a stream of its own,
+// and cublasCreate fails during a capture (seen on an H200), while the
+// warm-up before a capture runs on the same threads (the caller's and
+// autograd's device thread) and creates the handles there.  The kernels bind
+// the call's stream (cublasSetStream, allowed during a capture) every call;
+// a handle used by one thread only needs no lock.  Default math mode: no
+// TF32 (torch.backends.cuda.matmul.allow_tf32 does not reach these handles).
+// Handles live until the process ends (as torch's do).
 inline cublasHandle_t cublas_handle(const Device &d, cudaStream_t stream) {
-    static std::mutex mu;
-    static std::map<std::pair<int, cudaStream_t>, cublasHandle_t> *handles =
-        new std::map<std::pair<int, cudaStream_t>, cublasHandle_t>();
-    const std::pair<int, cudaStream_t> key(static_cast<int>(d.index()), stream);
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = handles->find(key);
-    if (it != handles->end()) return it->second;
+    thread_local std::map<int, cublasHandle_t> handles;
+    const int device = static_cast<int>(d.index());
+    auto it = handles.find(device);
+    if (it != handles.end()) return it->second;
     cublasHandle_t h = nullptr;
     cublasStatus_t st = cublasCreate(&h);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (st != CUBLAS_STATUS_SUCCESS && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+        capture != cudaStreamCaptureStatusNone)
+        raise_runtime_error(str("comera: this thread's first TT op on ", device_name(d),
+                                " ran inside a CUDA graph capture, where cuBLAS cannot "
+                                "start; run the step once before capturing it (a warm-up)"));
     COMERA_CHECK(st == CUBLAS_STATUS_SUCCESS, "comera: cublasCreate failed with status ",
                  static_cast<int>(st), " on ", device_name(d));
-    st = cublasSetStream(h, stream);
-    if (st != CUBLAS_STATUS_SUCCESS) {
-        cublasDestroy(h);
-        raise_runtime_error(str("comera: cublasSetStream failed with status ",
-                                static_cast<int>(st)));
-    }
-    handles->emplace(key, h);
+    handles.emplace(device, h);
     return h;
 }
 #else

@@ -20,8 +20,12 @@
 
 #if defined(__GLIBCXX__) && _GLIBCXX_USE_CXX11_ABI
 #if _GLIBCXX_RELEASE >= 11
+// weak: a GCC that links libstdc++ statically (as some CUDA images' do)
+// brings its own definition, which then wins instead of clashing
 namespace std {
-[[noreturn]] void __throw_bad_array_new_length() { throw bad_array_new_length(); }
+[[noreturn]] __attribute__((weak)) void __throw_bad_array_new_length() {
+    throw bad_array_new_length();
+}
 }  // namespace std
 #endif
 #if _GLIBCXX_RELEASE >= 9

@@ -1,0 +1,78 @@
+"""Where a TTLinear forward+backward spends its GPU time, kernel by kernel,
+beside nn.Linear and the torch.matmul merge path (bench_linear.MatmulMerge).
+
+    python benchmarks/gpu_profile.py --out DIR      # on a GPU, ~20 s
+
+Writes DIR/gpu_profile.md: per method, the CUDA kernels of 20 steps
+(torch.profiler), sorted by GPU time, and the wall time per step.
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import comera
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_linear import MatmulMerge  # noqa: E402
+
+
+def module(method, in_f, out_f, rank, dtype):
+    torch.manual_seed(0)
+    layer = comera.TTLinear(in_f, out_f, rank=rank)
+    m = {"nn.Linear": nn.Linear(in_f, out_f), "comera.TTLinear": layer,
+         "matmul merge": MatmulMerge(layer)}[method]
+    return m.to("cuda", dtype)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="768,3072")
+    ap.add_argument("--rank", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    in_f, out_f = (int(v) for v in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.rows, in_f, device="cuda", dtype=dtype, requires_grad=True)
+    gy = torch.randn(args.rows, out_f, device="cuda", dtype=dtype)
+    lines = [f"# GPU profile: {in_f} -> {out_f}, rank {args.rank}, {args.rows} rows, {args.dtype}",
+             "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+             f"{args.steps} forward+backward steps per method.", ""]
+    for method in ("nn.Linear", "comera.TTLinear", "matmul merge"):
+        m = module(method, in_f, out_f, args.rank, dtype)
+
+        def step():
+            x.grad = None
+            for p in m.parameters():
+                p.grad = None
+            m(x).backward(gy)
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        lines += [f"## {method}: {wall:.3f} ms per step (wall, unprofiled)", "", "```", table, "```", ""]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_profile.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
