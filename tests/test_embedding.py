@@ -461,3 +461,31 @@ def test_optimizer_fits_a_small_table():
         loss.backward()
         opt.step()
     assert loss.item() < 0.02 * first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", [None, "sum"])
+def test_eager_path_equals_the_registered_autograd(dtype, mode):
+    """Eager training goes through ops.embedding._EagerTTEmbedding; its values
+    and gradients are the registered autograd's, bit for bit."""
+    from comera.ops import embedding as E
+    emb = comera.TTEmbedding(50, 12, rank=3).to(dtype)
+    idx = torch.randint(0, 50, (6, 4))
+    if mode is None:
+        out = emb(idx)
+        args = (idx.reshape(-1), None, None)
+    else:
+        out = comera.ops.tt_embedding(idx, list(emb.cores), list(emb.gates), 50, 12, mode="sum")
+        args = (idx.reshape(-1), torch.arange(0, 25, 4), None)  # 6 bags, offsets end at 24
+    fn = out.grad_fn
+    names = [type(fn).__name__, type(fn.next_functions[0][0]).__name__] if fn.next_functions \
+        else [type(fn).__name__]
+    assert "_EagerTTEmbeddingBackward" in names
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, list(emb.parameters()), g)
+    ref = torch.ops.comera.tt_embedding(*args, list(emb.cores), list(emb.gates), 50, 12, -1,
+                                        0 if mode is None else E.MODES["sum"], 0)
+    grads_ref = torch.autograd.grad(ref, list(emb.parameters()), g.reshape(ref.shape))
+    assert torch.equal(out.reshape(ref.shape), ref)
+    for a, b in zip(grads, grads_ref):
+        assert torch.equal(a, b)

@@ -239,3 +239,24 @@ def test_optimizer_trains_layer():
         loss.backward()
         opt.step()
     assert loss.item() < 0.05 * first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_eager_path_equals_the_registered_autograd(dtype, bias):
+    """Eager training goes through ops.linear._EagerTTLinear (no pytree walk per
+    call); its values and gradients are the registered autograd's, bit for bit."""
+    from comera.ops import linear as L
+    layer = comera.TTLinear(24, 20, rank=3, bias=bias).to(dtype)
+    x = torch.randn(7, 24, dtype=dtype, requires_grad=True)
+    gy = torch.randn(7, 20, dtype=dtype)
+    y = layer(x)
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_EagerTTLinearBackward"
+    grads = torch.autograd.grad(y, [x, *layer.parameters()], gy)
+    y_reg, _ = torch.ops.comera.tt_linear(x, list(layer.cores), list(layer.gates), layer.bias,
+                                          layer.num_in_cores, 20, L.PATHS["auto"])
+    assert "Eager" not in type(y_reg.grad_fn).__name__  # the registered autograd
+    grads_reg = torch.autograd.grad(y_reg, [x, *layer.parameters()], gy)
+    assert torch.equal(y, y_reg)
+    for g, r in zip(grads, grads_reg):
+        assert torch.equal(g, r)

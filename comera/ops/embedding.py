@@ -179,9 +179,30 @@ class _TTEmbeddingFunction(torch.autograd.Function):
         return out
 
 
+class _EagerTTEmbedding(torch.autograd.Function):
+    """The eager training path: the registered operators without the
+    registered autograd's per-call pytree walk over the list arguments (as
+    comera.ops.linear._EagerTTLinear).  torch.compile and torch.func keep the
+    registered autograd and _TTEmbeddingFunction."""
+
+    @staticmethod
+    def forward(ctx, indices, offsets, psw, args, num_cores, *cg):
+        with torch._C._AutoDispatchBelowAutograd():  # this Function records the call
+            out = torch.ops.comera.tt_embedding.default(indices, offsets, psw,
+                                                        list(cg[:num_cores]),
+                                                        list(cg[num_cores:]), *args)
+        ctx.save_for_backward(indices, offsets, psw, *cg)
+        ctx.num_cores, ctx.args = num_cores, args
+        return out
+
+    backward = _TTEmbeddingFunction.backward
+
+
 def _call(indices, offsets, psw, cores, gates, *args):
     if func_active():
         return _TTEmbeddingFunction.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _EagerTTEmbedding.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
     return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
 
 

@@ -45,13 +45,19 @@ template <typename T> struct Mat {
     int acc;
 };
 
+// o % mod in 32 bits where both fit (always, for a core's offsets): a 64-bit
+// remainder costs several times more on a GPU, once per element read.
+__host__ __device__ __forceinline__ int64_t mod_small(int64_t o, int64_t mod) {
+    return ((o | mod) >> 32) == 0 ? (int64_t)((uint32_t)o % (uint32_t)mod) : o % mod;
+}
+
 template <typename T>
 __host__ __device__ __forceinline__ typename Acc<T>::type mat_at(const Mat<T> &m, int64_t i,
                                                                  int64_t j) {
     typedef typename Acc<T>::type A;
     int64_t o = i * m.rs + j * m.cs;
     A v = m.acc ? ((const A *)m.base)[o] : to_acc<A>(((const T *)m.base)[o]);
-    if (m.gate) v *= to_acc<A>(m.gate[o % m.gmod]);
+    if (m.gate) v *= to_acc<A>(m.gate[mod_small(o, m.gmod)]);
     return v;
 }
 
@@ -150,37 +156,94 @@ template <typename T> __global__ void core_grad_kernel(CoreGradArgs<T> a) {
         A s = 0;
         for (int64_t p = 0; p < a.nsplit[k]; p++) s += a.src[k][p * size + o];
         a.deff[item] = s;
-        a.dcore[k][o] = from_acc<T, A>(a.gate[k] ? s * to_acc<A>(a.gate[k][o % a.gmod[k]]) : s);
+        a.dcore[k][o] =
+            from_acc<T, A>(a.gate[k] ? s * to_acc<A>(a.gate[k][mod_small(o, a.gmod[k])]) : s);
     }
 }
 
-// d(gate k)[j] = sum_i d(eff k)[i, j] core_k[i, j]: one thread per entry.
+// d(gate k)[j] = sum_i d(eff k)[i, j] core_k[i, j], in two passes: partial
+// sums over chunks of kGateChunk rows (one thread each), then their sum in a
+// fixed order.  One thread per entry over all rows had a few dozen threads
+// run hundreds of steps each (46 us of a 466 us step on an H200).
+const int64_t kGateChunk = 16;
+
 template <typename T> struct GateGradArgs {
     const typename Acc<T>::type *deff;
+    typename Acc<T>::type *part;
     int64_t off[COMERA_MAX_CORES + 1];
     int64_t start[COMERA_MAX_CORES];  // prefix sums of the gate sizes
+    int64_t pstart[COMERA_MAX_CORES];  // prefix sums of gate size x chunks
     int64_t cols[COMERA_MAX_CORES];
+    int64_t chunks[COMERA_MAX_CORES];
     const T *core[COMERA_MAX_CORES];
     T *dgate[COMERA_MAX_CORES];
     int G;
 };
 
-template <typename T> __global__ void gate_grad_kernel(GateGradArgs<T> a) {
+template <typename T> __global__ void gate_part_kernel(GateGradArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, a.pstart[a.G]) {
+        int k = 0;
+        while (item >= a.pstart[k + 1]) k++;
+        int64_t local = item - a.pstart[k], cols = a.cols[k];
+        int64_t c = local / cols, j = local % cols;
+        int64_t rows = (a.off[k + 1] - a.off[k]) / cols;
+        int64_t i0 = c * kGateChunk, i1 = i0 + kGateChunk < rows ? i0 + kGateChunk : rows;
+        const A *de = a.deff + a.off[k];
+        A s = 0;
+        for (int64_t i = i0; i < i1; i++) s += de[i * cols + j] * to_acc<A>(a.core[k][i * cols + j]);
+        a.part[item] = s;
+    }
+}
+
+template <typename T> __global__ void gate_sum_kernel(GateGradArgs<T> a) {
     typedef typename Acc<T>::type A;
     COMERA_FOR_EACH(item, a.start[a.G]) {
         int k = 0;
         while (item >= a.start[k + 1]) k++;
         int64_t j = item - a.start[k], cols = a.cols[k];
-        int64_t rows = (a.off[k + 1] - a.off[k]) / cols;
-        const A *de = a.deff + a.off[k];
+        const A *p = a.part + a.pstart[k] + j;
         A s = 0;
-        for (int64_t i = 0; i < rows; i++)
-            s += de[i * cols + j] * to_acc<A>(a.core[k][i * cols + j]);
+        for (int64_t c = 0; c < a.chunks[k]; c++) s += p[c * cols];
         a.dgate[k][j] = from_acc<T, A>(s);
     }
 }
 
+// c[i] = sum over s of part[s * n + i], s in order: the split-K partial sums
+// of up to two products (one per chain) added up.
+template <typename A> struct SplitSum {
+    const A *part[2];
+    A *c[2];
+    int64_t n[2], nsplit[2], start[3];
+    int count;
+};
+
+template <typename A> __global__ void split_sum_kernel(SplitSum<A> a) {
+    COMERA_FOR_EACH(item, a.start[a.count]) {
+        int q = item >= a.start[1] ? 1 : 0;
+        int64_t i = item - a.start[q];
+        const A *p = a.part[q] + i;
+        A s = 0;
+        for (int64_t k = 0; k < a.nsplit[q]; k++) s += p[k * a.n[q]];
+        a.c[q][i] = s;
+    }
+}
+
 const int64_t kSplitChunk = 256;
+// dP_{k-1} = dP_k eff_k^T sums over dims[k] r[k+1] terms: split in chunks
+// of this many when longer, so that enough threads run (one thread per
+// output over the whole sum took 53 us a launch on an H200)
+const int64_t kChainChunk = 32;
+
+inline int64_t chain_splits(const comera_tt_linear_shape &s, int k) {
+    int64_t n = s.dims[k] * s.r[k + 1];
+    return n > kChainChunk ? (n + kChainChunk - 1) / kChainChunk : 1;
+}
+
+inline int64_t gate_chunks(const comera_tt_linear_shape &s, int k) {
+    int64_t cols = s.r[k + 1], rows = (s.core_off[k + 1] - s.core_off[k]) / cols;
+    return (rows + kGateChunk - 1) / kGateChunk;
+}
 
 // ------------------------------------------------------------------ layout
 template <typename T> struct Layer {
@@ -301,7 +364,8 @@ template <typename T> FwdBufs<T> fwd_layout(const tt_shape &s, int64_t batch, bo
 }
 
 template <typename T> struct BwdBufs {
-    typename Acc<T>::type *P, *dP, *deff;
+    typename Acc<T>::type *P, *dP, *deff, *gpart;
+    typename Acc<T>::type *dpart[2];  // per chain: split sums of dP_{k-1}
     typename Acc<T>::type *part[COMERA_MAX_CORES];
     int64_t nsplit[COMERA_MAX_CORES];
     T *vc, *uc, *te, *S;
@@ -321,6 +385,18 @@ template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bo
         b.nsplit[k] = (X + kSplitChunk - 1) / kSplitChunk;
         b.part[k] = w.take<A>(b.nsplit[k] * (s.core_off[k + 1] - s.core_off[k]));
     }
+    for (int chain = 0; chain < 2; chain++) {
+        int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
+        int64_t most = 0;
+        for (int k = first + 1; k <= last; k++) {
+            int64_t ns = chain_splits(s, k), X = (s.P_off[k] - s.P_off[k - 1]) / s.r[k];
+            if (ns > 1 && ns * X * s.r[k] > most) most = ns * X * s.r[k];
+        }
+        b.dpart[chain] = most ? w.take<A>(most) : nullptr;
+    }
+    int64_t gate_parts = 0;
+    for (int k = 0; k < s.D - 1; k++) gate_parts += s.r[k + 1] * gate_chunks(s, k);
+    b.gpart = w.take<A>(gate_parts);
     b.vc = w.take<T>(s.in * s.rmid);
     b.uc = w.take<T>(s.rmid * s.out);
     b.te = hb ? w.take<T>(batch * (s.rmid + 1)) : nullptr;
@@ -417,6 +493,8 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
     for (int step = 0; step < L.steps(); step++) {
         SmallGemmBatch<T> sb;
         sb.count = 0;
+        SplitSum<A> ss;
+        ss.count = 0;
         for (int chain = 0; chain < 2; chain++) {
             int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
             int k = last - step;
@@ -437,11 +515,25 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
             gp.K = N;
             gp.a = acc_mat<T>(b.dP + s.P_off[k], N, 1);
             gp.b = L.eff(k, 1, N);
-            gp.c = b.dP + s.P_off[k - 1];
-            gp.kchunk = N > 0 ? N : 1;
-            gp.nsplit = 1;
+            int64_t ns = chain_splits(s, k);
+            gp.kchunk = ns > 1 ? kChainChunk : (N > 0 ? N : 1);
+            gp.nsplit = ns;
+            gp.c = ns > 1 ? b.dpart[chain] : b.dP + s.P_off[k - 1];
+            if (ns > 1) {
+                ss.part[ss.count] = b.dpart[chain];
+                ss.c[ss.count] = b.dP + s.P_off[k - 1];
+                ss.n[ss.count] = X * s.r[k];
+                ss.nsplit[ss.count] = ns;
+                ss.count++;
+            }
         }
         if ((rc = launch_gemms(sb, st))) return rc;
+        if (ss.count > 0) {
+            ss.start[0] = 0;
+            for (int q = 0; q < ss.count; q++) ss.start[q + 1] = ss.start[q] + ss.n[q];
+            COMERA_LAUNCH(split_sum_kernel<A>, ss.start[ss.count], st, ss);
+            if ((rc = launched())) return rc;
+        }
     }
 
     CoreGradArgs<T> ca;
@@ -464,16 +556,23 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
 
     GateGradArgs<T> ga;
     ga.deff = b.deff;
+    ga.part = b.gpart;
     ga.G = s.D - 1;
-    ga.start[0] = 0;
+    ga.start[0] = ga.pstart[0] = 0;
     for (int k = 0; k <= s.D; k++) ga.off[k] = s.core_off[k];
     for (int k = 0; k < ga.G; k++) {
-        ga.start[k + 1] = ga.start[k] + s.r[k + 1];
         ga.cols[k] = s.r[k + 1];
+        ga.chunks[k] = gate_chunks(s, k);
+        ga.start[k + 1] = ga.start[k] + ga.cols[k];
+        ga.pstart[k + 1] = ga.pstart[k] + ga.cols[k] * ga.chunks[k];
         ga.core[k] = cores[k];
         ga.dgate[k] = dgates[k];
     }
-    COMERA_LAUNCH(gate_grad_kernel<T>, ga.start[ga.G], st, ga);
+    if (ga.pstart[ga.G] > 0) {
+        COMERA_LAUNCH(gate_part_kernel<T>, ga.pstart[ga.G], st, ga);
+        if ((rc = launched())) return rc;
+    }
+    COMERA_LAUNCH(gate_sum_kernel<T>, ga.start[ga.G], st, ga);
     return launched();
 }
 
