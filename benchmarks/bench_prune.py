@@ -16,7 +16,7 @@ times above it is reported as well.
     python benchmarks/bench_prune.py --rows 4096 --reps 5 --threads 1
 
 The four calls of a row (full, masked, pruned, output floor) are timed
-interleaved by wall clock (benchmarks/timing.py: warm-up, rounds in rotating
+interleaved by wall clock (benchmarks/timing.py: warm-up, rounds in shuffled
 order, median and interquartile range; process CPU time in the JSON), so a
 change of machine load hits them alike.  Writes
 benchmarks/results/prune_cpu.json and prune_cpu.md with the machine record

@@ -45,7 +45,8 @@ GPU machine.
 - One timing helper, `benchmarks/timing.py`, for every benchmark. Wall clock is the headline;
   process CPU time is kept as an extra column (in the JSON).
 - Methods compared with each other are built in one process and timed **interleaved**: a
-  warm-up call of each, then rounds that call every method once in a rotating order, so a change
+  warm-up call of each, then rounds that call every method once in an order shuffled anew each
+  round (seeded; a rotating order gave each method a fixed predecessor), so a change
   in machine load hits all of them alike. Every time is a median with its spread (min, max,
   interquartile range) and the number of rounds.
 - Memory is measured apart, in a fresh subprocess per method (peak RSS growth).

@@ -5,7 +5,7 @@ Rules it enforces (benchmarks/README.md, "How we measure"):
 
 * wall clock is the headline; process CPU time is kept as an extra column;
 * methods compared with each other are timed in the same process,
-  interleaved (round r runs every method once, in a rotating order), after a
+  interleaved (round r runs every method once, in an order shuffled by r), after a
   warm-up of each, so a change in machine load hits all of them alike;
 * every figure is a median with its spread (min, max, interquartile range)
   and the number of repetitions;
@@ -15,6 +15,7 @@ Rules it enforces (benchmarks/README.md, "How we measure"):
 """
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -37,8 +38,11 @@ def _spread(values: List[float]) -> Dict[str, float]:
 def interleaved(methods: Dict[str, Callable[[], object]], *, reps: int = 7, warmup: int = 2,
                 budget_s: Optional[float] = None) -> Dict[str, Dict[str, object]]:
     """Times every method of ``methods`` (name -> zero-argument callable) in
-    rounds: each round calls every method once, the order rotating by one
-    each round.  Stops after ``reps`` rounds, or earlier once ``budget_s``
+    rounds: each round calls every method once, in an order shuffled anew
+    each round (seeded by the round, so runs repeat): with a rotating order
+    every method kept the same predecessor, and a step right after one that
+    churns the caches (a dense layer's large gradients) was measured slower
+    every time, whatever it was.  Stops after ``reps`` rounds, or earlier once ``budget_s``
     seconds have passed (at least 3 rounds whenever possible).
 
     Returns per method ``{"wall": {median, min, max, iqr, reps}, "cpu": {...}}``
@@ -59,8 +63,9 @@ def interleaved(methods: Dict[str, Callable[[], object]], *, reps: int = 7, warm
     cpu: Dict[str, List[float]] = {n: [] for n in names}
     start = time.perf_counter()
     for r in range(reps):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
+        order = list(names)
+        random.Random(r).shuffle(order)
+        for name in order:
             c0, t0 = time.process_time(), time.perf_counter()
             methods[name]()
             wall[name].append(time.perf_counter() - t0)

@@ -164,7 +164,7 @@ def time_methods(case):
     """Wall-clock time of one training step of every method in
     case["methods"] (a list of [label, method, state_path or None]), built in
     this process and timed interleaved (timing.interleaved: one warm-up step
-    each, then rounds in rotating order, case["reps"] rounds or until
+    each, then rounds in shuffled order, case["reps"] rounds or until
     case["budget_s"] seconds).  With GaLore among them, GaLore with the
     projection recomputed every step is timed too and GaLore's row gets
     ``amortised_wall_s`` = steady + (SVD step - steady) / update_proj_gap.

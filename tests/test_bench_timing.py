@@ -14,18 +14,26 @@ sys.path.insert(0, BENCH)
 import timing  # noqa: E402
 
 
-def test_interleaved_rotates_the_order_and_counts_reps():
+def test_interleaved_shuffles_the_order_and_counts_reps():
     calls = []
-    methods = {name: (lambda n=name: calls.append(n)) for name in "abc"}
-    out = timing.interleaved(methods, reps=3, warmup=1)
-    assert calls[:3] == ["a", "b", "c"]  # warm-up, one each
-    assert calls[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    for name in "abc":
+    methods = {name: (lambda n=name: calls.append(n)) for name in "abcd"}
+    out = timing.interleaved(methods, reps=8, warmup=1)
+    assert calls[:4] == ["a", "b", "c", "d"]  # warm-up, one each
+    rounds = [calls[4 + 4 * r: 8 + 4 * r] for r in range(8)]
+    assert all(sorted(r) == ["a", "b", "c", "d"] for r in rounds)  # each once a round
+    # no method always follows the same one
+    for name in "abcd":
+        before = {r[r.index(name) - 1] for r in rounds if r.index(name) > 0}
+        assert len(before) >= 2, (name, rounds)
+    again = []
+    timing.interleaved({n: (lambda n=n: again.append(n)) for n in "abcd"}, reps=8, warmup=1)
+    assert again == calls  # seeded: a rerun calls in the same order
+    for name in "abcd":
         wall = out[name]["wall"]
-        assert wall["reps"] == 3
+        assert wall["reps"] == 8
         assert wall["min"] <= wall["median"] <= wall["max"]
         assert wall["iqr"] >= 0
-        assert out[name]["cpu"]["reps"] == 3
+        assert out[name]["cpu"]["reps"] == 8
 
 
 def test_interleaved_budget_stops_after_three_rounds():

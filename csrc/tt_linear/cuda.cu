@@ -45,6 +45,14 @@ template <typename T> struct Mat {
     int acc;
 };
 
+// The segment holding item, given the segments' prefix sums (start[0] = 0,
+// item < start[n]): the kernels below run several small jobs in one launch.
+__host__ __device__ __forceinline__ int segment_of(int64_t item, const int64_t *start) {
+    int k = 0;
+    while (item >= start[k + 1]) k++;
+    return k;
+}
+
 // o % mod in 32 bits where both fit (always, for a core's offsets): a 64-bit
 // remainder costs several times more on a GPU, once per element read.
 __host__ __device__ __forceinline__ int64_t mod_small(int64_t o, int64_t mod) {
@@ -81,8 +89,7 @@ template <typename T> struct SmallGemmBatch {
 template <typename T> __global__ void small_gemm_kernel(SmallGemmBatch<T> b) {
     typedef typename Acc<T>::type A;
     COMERA_FOR_EACH(item, b.start[b.count]) {
-        int q = 0;
-        while (item >= b.start[q + 1]) q++;
+        int q = segment_of(item, b.start);
         const SmallGemm<T> &g = b.g[q];
         int64_t local = item - b.start[q];
         int64_t split = local / (g.M * g.N), ij = local % (g.M * g.N);
@@ -150,8 +157,7 @@ template <typename T> __global__ void core_grad_kernel(CoreGradArgs<T> a) {
             a.dbias[item - total] = from_acc<T, A>(a.dbias_src[item - total]);
             continue;
         }
-        int k = 0;
-        while (item >= a.off[k + 1]) k++;
+        int k = segment_of(item, a.off);
         int64_t o = item - a.off[k], size = a.off[k + 1] - a.off[k];
         A s = 0;
         for (int64_t p = 0; p < a.nsplit[k]; p++) s += a.src[k][p * size + o];
@@ -183,15 +189,14 @@ template <typename T> struct GateGradArgs {
 template <typename T> __global__ void gate_part_kernel(GateGradArgs<T> a) {
     typedef typename Acc<T>::type A;
     COMERA_FOR_EACH(item, a.pstart[a.G]) {
-        int k = 0;
-        while (item >= a.pstart[k + 1]) k++;
-        int64_t local = item - a.pstart[k], cols = a.cols[k];
-        int64_t c = local / cols, j = local % cols;
+        int k = segment_of(item, a.pstart);
+        int64_t cols = a.cols[k], c = (item - a.pstart[k]) / cols, j = (item - a.pstart[k]) % cols;
         int64_t rows = (a.off[k + 1] - a.off[k]) / cols;
-        int64_t i0 = c * kGateChunk, i1 = i0 + kGateChunk < rows ? i0 + kGateChunk : rows;
+        int64_t i1 = (c + 1) * kGateChunk < rows ? (c + 1) * kGateChunk : rows;
         const A *de = a.deff + a.off[k];
         A s = 0;
-        for (int64_t i = i0; i < i1; i++) s += de[i * cols + j] * to_acc<A>(a.core[k][i * cols + j]);
+        for (int64_t i = c * kGateChunk; i < i1; i++)
+            s += de[i * cols + j] * to_acc<A>(a.core[k][i * cols + j]);
         a.part[item] = s;
     }
 }
@@ -199,13 +204,11 @@ template <typename T> __global__ void gate_part_kernel(GateGradArgs<T> a) {
 template <typename T> __global__ void gate_sum_kernel(GateGradArgs<T> a) {
     typedef typename Acc<T>::type A;
     COMERA_FOR_EACH(item, a.start[a.G]) {
-        int k = 0;
-        while (item >= a.start[k + 1]) k++;
-        int64_t j = item - a.start[k], cols = a.cols[k];
-        const A *p = a.part + a.pstart[k] + j;
+        int k = segment_of(item, a.start);
+        const A *p = a.part + a.pstart[k] + (item - a.start[k]);
         A s = 0;
-        for (int64_t c = 0; c < a.chunks[k]; c++) s += p[c * cols];
-        a.dgate[k][j] = from_acc<T, A>(s);
+        for (int64_t c = 0; c < a.chunks[k]; c++) s += p[c * a.cols[k]];
+        a.dgate[k][item - a.start[k]] = from_acc<T, A>(s);
     }
 }
 
