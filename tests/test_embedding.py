@@ -489,3 +489,6 @@ def test_eager_path_equals_the_registered_autograd(dtype, mode):
     assert torch.equal(out.reshape(ref.shape), ref)
     for a, b in zip(grads, grads_ref):
         assert torch.equal(a, b)
+    if mode is None:
+        with torch.no_grad():  # the no-grad path calls the operator below autograd
+            assert torch.equal(emb(idx), out)

@@ -260,3 +260,5 @@ def test_eager_path_equals_the_registered_autograd(dtype, bias):
     assert torch.equal(y, y_reg)
     for g, r in zip(grads, grads_reg):
         assert torch.equal(g, r)
+    with torch.no_grad():  # the no-grad path calls the operator below autograd
+        assert torch.equal(layer(x), y)

@@ -201,9 +201,13 @@ class _EagerTTEmbedding(torch.autograd.Function):
 def _call(indices, offsets, psw, cores, gates, *args):
     if func_active():
         return _TTEmbeddingFunction.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
+    if torch.is_grad_enabled():
         return _EagerTTEmbedding.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
-    return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
+    with torch._C._AutoDispatchBelowAutograd():  # nothing to record: skip the check
+        return torch.ops.comera.tt_embedding.default(indices, offsets, psw, list(cores),
+                                                     list(gates), *args)
 
 
 def _fold_forward(info, in_dims, indices, offsets, psw, cores, gates, *args):

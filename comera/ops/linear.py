@@ -120,13 +120,20 @@ class _EagerTTLinear(torch.autograd.Function):
 
 
 def _call_op(x, cores, gates, bias, num_in_cores, out_features, path):
-    """y of the operator: through _EagerTTLinear where autograd may record
-    the call in eager mode, else the registered operator."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _EagerTTLinear.apply(x, bias, num_in_cores, out_features, path, len(cores),
-                                    *cores, *gates)
-    y, _ = torch.ops.comera.tt_linear(x, list(cores), list(gates), bias, num_in_cores,
-                                      out_features, path)
+    """y of the operator in eager mode: through _EagerTTLinear where autograd
+    may record the call, else straight below the autograd key (the registered
+    autograd would only check and redispatch: 12 of a one-row call's 33 us).
+    torch.compile traces the registered operator."""
+    if torch.compiler.is_compiling():
+        y, _ = torch.ops.comera.tt_linear(x, list(cores), list(gates), bias, num_in_cores,
+                                          out_features, path)
+    elif torch.is_grad_enabled():
+        y = _EagerTTLinear.apply(x, bias, num_in_cores, out_features, path, len(cores),
+                                 *cores, *gates)
+    else:
+        with torch._C._AutoDispatchBelowAutograd():
+            y, _ = torch.ops.comera.tt_linear.default(x, list(cores), list(gates), bias,
+                                                      num_in_cores, out_features, path)
     return y
 
 
