@@ -52,7 +52,6 @@
 #include <torch/headeronly/version.h>
 
 #include <map>
-#include <mutex>
 #include <utility>
 #endif
 

@@ -223,7 +223,7 @@ template <typename A> struct SplitSum {
 
 template <typename A> __global__ void split_sum_kernel(SplitSum<A> a) {
     COMERA_FOR_EACH(item, a.start[a.count]) {
-        int q = item >= a.start[1] ? 1 : 0;
+        int q = segment_of(item, a.start);
         int64_t i = item - a.start[q];
         const A *p = a.part[q] + i;
         A s = 0;
@@ -249,6 +249,14 @@ inline int64_t gate_chunks(const comera_tt_linear_shape &s, int k) {
 }
 
 // ------------------------------------------------------------------ layout
+// The two merge chains: cores [0, p) make V, cores [p, D) make U.
+inline int chain_first(const comera_tt_linear_shape &s, int chain) {
+    return chain == 0 ? 0 : s.p;
+}
+inline int chain_last(const comera_tt_linear_shape &s, int chain) {
+    return chain == 0 ? s.p - 1 : s.D - 1;
+}
+
 template <typename T> struct Layer {
     const tt_shape &s;
     const T *const *cores;
@@ -313,7 +321,7 @@ template <typename T> int run_merges(const Layer<T> &L, typename Acc<T>::type *P
         SmallGemmBatch<T> b;
         b.count = 0;
         for (int chain = 0; chain < 2; chain++) {
-            int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
+            int first = chain_first(s, chain), last = chain_last(s, chain);
             int k = first + step;
             if (k > last) continue;
             SmallGemm<T> &g = b.g[b.count++];
@@ -389,7 +397,7 @@ template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bo
         b.part[k] = w.take<A>(b.nsplit[k] * (s.core_off[k + 1] - s.core_off[k]));
     }
     for (int chain = 0; chain < 2; chain++) {
-        int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
+        int first = chain_first(s, chain), last = chain_last(s, chain);
         int64_t most = 0;
         for (int k = first + 1; k <= last; k++) {
             int64_t ns = chain_splits(s, k), X = (s.P_off[k] - s.P_off[k - 1]) / s.r[k];
@@ -499,7 +507,7 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
         SplitSum<A> ss;
         ss.count = 0;
         for (int chain = 0; chain < 2; chain++) {
-            int first = chain == 0 ? 0 : s.p, last = chain == 0 ? s.p - 1 : s.D - 1;
+            int first = chain_first(s, chain), last = chain_last(s, chain);
             int k = last - step;
             if (k <= first) continue;
             int64_t X = L.rows_of(k - 1), N = s.dims[k] * s.r[k + 1];
