@@ -4,8 +4,13 @@ beside nn.Linear and the torch.matmul merge path (bench_linear.MatmulMerge).
     python benchmarks/gpu_profile.py --out DIR      # on a GPU, ~20 s
 
 Writes DIR/gpu_profile.md: per method, the CUDA kernels of 20 steps
-(torch.profiler), sorted by GPU time, and the wall time per step.
+(torch.profiler), sorted by GPU time, and the wall time per step; for
+TTLinear also every kernel launch of one step in order, with its grid, block
+and GPU time (from the profiler's trace), to tell the launches of one kernel
+apart.
 """
+import json
+import tempfile
 import argparse
 import os
 import sys
@@ -27,6 +32,28 @@ def module(method, in_f, out_f, rank, dtype):
     m = {"nn.Linear": nn.Linear(in_f, out_f), "comera.TTLinear": layer,
          "matmul merge": MatmulMerge(layer)}[method]
     return m.to("cuda", dtype)
+
+
+def launches(step):
+    """Every GPU kernel and memset of one step, in launch order."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    rows = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                  key=lambda e: e["ts"])
+    out = ["### One TTLinear step, launch by launch", "",
+           "| # | kernel | grid | block | us |", "|---|---|---|---|---|"]
+    for i, e in enumerate(rows):
+        a = e.get("args", {})
+        out.append(f"| {i} | {e['name'][:70]} | {a.get('grid', '')} | {a.get('block', '')} "
+                   f"| {e.get('dur', 0):.1f} |")
+    total = sum(e.get("dur", 0) for e in rows)
+    return out + ["", f"GPU time in this step: {total:.1f} us", ""]
 
 
 def main(argv=None):
@@ -68,6 +95,8 @@ def main(argv=None):
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
         lines += [f"## {method}: {wall:.3f} ms per step (wall, unprofiled)", "", "```", table, "```", ""]
+        if method == "comera.TTLinear":
+            lines += launches(step)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_profile.md"), "w") as f:
         f.write("\n".join(lines))
