@@ -12,8 +12,8 @@
 // with no extra pass over y or dy.
 //
 // Merges and their gradients run in the accumulator type (float32 for the
-// 16-bit types) from the cores as stored; only V and U are rounded to the
-// element type, for the tensor-core GEMMs.
+// 16-bit types) from the gated cores, converted once per call (eff_kernel);
+// only V and U are rounded to the element type, for the tensor-core GEMMs.
 //
 // Paths: on the GPU every path runs this algorithm.  The sequential path of
 // the C kernels contracts each row core by core; on a GPU that is a chain of
@@ -34,16 +34,26 @@ namespace {
 
 typedef comera_tt_linear_shape tt_shape;
 
-// A strided matrix view on a core (element type, optionally scaled by a gate)
-// or on a workspace buffer (accumulator type).  Element (i, j) lives at
-// memory offset o = i * rs + j * cs; a gate scales it by gate[o % gmod],
-// which is the core's last rank index whatever the view's shape.
-template <typename T> struct Mat {
-    const void *base;
-    const T *gate;
-    int64_t rs, cs, gmod;
-    int acc;
+// A strided matrix view on an accumulator-type buffer: element (i, j) at
+// base[i * rs + j * cs].  The gated cores are materialised once per call
+// (eff_kernel), so every operand of the small products is such a view.
+template <typename A> struct Mat {
+    const A *base;
+    int64_t rs, cs;
 };
+
+template <typename A> Mat<A> mat(const A *base, int64_t rs, int64_t cs) {
+    Mat<A> m;
+    m.base = base;
+    m.rs = rs;
+    m.cs = cs;
+    return m;
+}
+
+template <typename A> __host__ __device__ __forceinline__ A mat_at(const Mat<A> &m, int64_t i,
+                                                                   int64_t j) {
+    return m.base[i * m.rs + j * m.cs];
+}
 
 // The segment holding item, given the segments' prefix sums (start[0] = 0,
 // item < start[n]): the kernels below run several small jobs in one launch.
@@ -59,45 +69,118 @@ __host__ __device__ __forceinline__ int64_t mod_small(int64_t o, int64_t mod) {
     return ((o | mod) >> 32) == 0 ? (int64_t)((uint32_t)o % (uint32_t)mod) : o % mod;
 }
 
-template <typename T>
-__host__ __device__ __forceinline__ typename Acc<T>::type mat_at(const Mat<T> &m, int64_t i,
-                                                                 int64_t j) {
-    typedef typename Acc<T>::type A;
-    int64_t o = i * m.rs + j * m.cs;
-    A v = m.acc ? ((const A *)m.base)[o] : to_acc<A>(((const T *)m.base)[o]);
-    if (m.gate) v *= to_acc<A>(m.gate[mod_small(o, m.gmod)]);
-    return v;
+// sum over k < n of a[k as] b[k bs] in four partial sums, added in a fixed
+// order at the end: the four loads of a round are independent, so they are
+// in flight together instead of one memory latency per term.
+template <typename A, typename I>
+__host__ __device__ __forceinline__ A dot(const A *a, I as, const A *b, I bs, I n) {
+    A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    I k = 0;
+    for (; k + 4 <= n; k += 4) {
+        s0 += a[k * as] * b[k * bs];
+        s1 += a[(k + 1) * as] * b[(k + 1) * bs];
+        s2 += a[(k + 2) * as] * b[(k + 2) * bs];
+        s3 += a[(k + 3) * as] * b[(k + 3) * bs];
+    }
+    for (; k < n; k++) s0 += a[k * as] * b[k * bs];
+    return (s0 + s1) + (s2 + s3);
+}
+
+// p[0] + p[stride] + ... + p[(n - 1) stride], four partial sums as in dot:
+// the sums over split-K parts and gate chunks.
+template <typename A>
+__host__ __device__ __forceinline__ A sum_strided(const A *p, int64_t stride, int64_t n) {
+    A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4) {
+        s0 += p[k * stride];
+        s1 += p[(k + 1) * stride];
+        s2 += p[(k + 2) * stride];
+        s3 += p[(k + 3) * stride];
+    }
+    for (; k < n; k++) s0 += p[k * stride];
+    return (s0 + s1) + (s2 + s3);
 }
 
 // C (M x N, row-major) = A (M x K) B (K x N) over a slice of K: split s of
 // nsplit sums k in [s kchunk, (s + 1) kchunk) into c + s M N.  Splitting K
 // gives the long reductions (core gradients sum over up to thousands of
 // merged rows) enough threads; the splits are added in a fixed order later.
-template <typename T> struct SmallGemm {
-    Mat<T> a, b;
-    typename Acc<T>::type *c;
+// i32: every index fits in an int (see fits_int), the usual case.
+template <typename A> struct SmallGemm {
+    Mat<A> a, b;
+    A *c;
     int64_t M, N, K, kchunk, nsplit;
+    int i32;
 };
 
 const int kMaxGemms = 4;
-template <typename T> struct SmallGemmBatch {
-    SmallGemm<T> g[kMaxGemms];
+template <typename A> struct SmallGemmBatch {
+    SmallGemm<A> g[kMaxGemms];
     int64_t start[kMaxGemms + 1];  // prefix sums of M N nsplit
     int count;
 };
 
-template <typename T> __global__ void small_gemm_kernel(SmallGemmBatch<T> b) {
-    typedef typename Acc<T>::type A;
+// Entry `local` of g's output (split s, row i, column j at s M N + i N + j),
+// in index type I: int where every index fits, as 32-bit divisions and
+// address arithmetic are several times cheaper on a GPU, else int64_t.
+template <typename A, typename I>
+__host__ __device__ __forceinline__ void small_gemm_item(const SmallGemm<A> &g, I local) {
+    I mn = (I)(g.M * g.N), split = local / mn, ij = local - split * mn;
+    I i = ij / (I)g.N, j = ij - i * (I)g.N;
+    I k0 = split * (I)g.kchunk, n = (I)g.K - k0 < (I)g.kchunk ? (I)g.K - k0 : (I)g.kchunk;
+    const A *a = g.a.base + (i * (I)g.a.rs + k0 * (I)g.a.cs);
+    const A *b = g.b.base + (k0 * (I)g.b.rs + j * (I)g.b.cs);
+    g.c[local] = dot<A, I>(a, (I)g.a.cs, b, (I)g.b.rs, n);
+}
+
+template <typename A> __global__ void small_gemm_kernel(SmallGemmBatch<A> b) {
     COMERA_FOR_EACH(item, b.start[b.count]) {
         int q = segment_of(item, b.start);
-        const SmallGemm<T> &g = b.g[q];
+        const SmallGemm<A> &g = b.g[q];
         int64_t local = item - b.start[q];
-        int64_t split = local / (g.M * g.N), ij = local % (g.M * g.N);
-        int64_t i = ij / g.N, j = ij % g.N;
-        int64_t k0 = split * g.kchunk, k1 = k0 + g.kchunk < g.K ? k0 + g.kchunk : g.K;
-        A sum = 0;
-        for (int64_t k = k0; k < k1; k++) sum += mat_at(g.a, i, k) * mat_at(g.b, k, j);
-        g.c[split * g.M * g.N + ij] = sum;
+        if (g.i32)
+            small_gemm_item<A, int>(g, (int)local);
+        else
+            small_gemm_item<A, int64_t>(g, local);
+    }
+}
+
+// eff_k = core_k scaled by gate_k (the last core has none) in the
+// accumulator type, for every core, once per call: the small products then
+// read plain arrays instead of converting, taking a remainder for the gate
+// index and loading the gate at every term.  With eff_t, also each eff_k
+// transposed ((dims[k] r[k+1]) x r[k]), for the dP chain product, whose
+// threads then read eff_k coalesced.  Also zeroes n_zero entries at `zero`
+// (the backward's dP: one launch fewer than a memset).
+template <typename T> struct EffArgs {
+    const T *core[COMERA_MAX_CORES];
+    const T *gate[COMERA_MAX_CORES];
+    int64_t off[COMERA_MAX_CORES + 1];  // core_off
+    int64_t rows[COMERA_MAX_CORES], cols[COMERA_MAX_CORES];  // r[k], dims[k] r[k + 1]
+    int64_t rank[COMERA_MAX_CORES];  // r[k + 1], the gate's size
+    typename Acc<T>::type *eff, *eff_t, *zero;
+    int64_t n_zero;
+    int D;
+};
+
+template <typename T> __global__ void eff_kernel(EffArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    int64_t total = a.off[a.D];
+    COMERA_FOR_EACH(item, total + a.n_zero) {
+        if (item >= total) {
+            a.zero[item - total] = 0;
+            continue;
+        }
+        int k = segment_of(item, a.off);
+        int64_t o = item - a.off[k];
+        A v = to_acc<A>(a.core[k][o]);
+        if (a.gate[k]) v *= to_acc<A>(a.gate[k][mod_small(o, a.rank[k])]);
+        a.eff[item] = v;
+        if (a.eff_t) {
+            int64_t i = o / a.cols[k];
+            a.eff_t[a.off[k] + (o - i * a.cols[k]) * a.rows[k] + i] = v;
+        }
     }
 }
 
@@ -105,7 +188,7 @@ template <typename T> __global__ void small_gemm_kernel(SmallGemmBatch<T> b) {
 // V, uc ((rm [+1]) x out) from U [and the bias row], and te (batch x te_ld):
 // with t_src, a copy of t; with te_ld > rm, a ones column at rm.
 template <typename T> struct PackArgs {
-    Mat<T> v, u;
+    Mat<typename Acc<T>::type> v, u;
     T *vc, *uc, *te;
     const T *bias, *t_src;
     int64_t in, out, rm, batch, te_ld;
@@ -159,8 +242,7 @@ template <typename T> __global__ void core_grad_kernel(CoreGradArgs<T> a) {
         }
         int k = segment_of(item, a.off);
         int64_t o = item - a.off[k], size = a.off[k + 1] - a.off[k];
-        A s = 0;
-        for (int64_t p = 0; p < a.nsplit[k]; p++) s += a.src[k][p * size + o];
+        A s = sum_strided(a.src[k] + o, size, a.nsplit[k]);
         a.deff[item] = s;
         a.dcore[k][o] =
             from_acc<T, A>(a.gate[k] ? s * to_acc<A>(a.gate[k][mod_small(o, a.gmod[k])]) : s);
@@ -206,14 +288,12 @@ template <typename T> __global__ void gate_sum_kernel(GateGradArgs<T> a) {
     COMERA_FOR_EACH(item, a.start[a.G]) {
         int k = segment_of(item, a.start);
         const A *p = a.part + a.pstart[k] + (item - a.start[k]);
-        A s = 0;
-        for (int64_t c = 0; c < a.chunks[k]; c++) s += p[c * a.cols[k]];
-        a.dgate[k][item - a.start[k]] = from_acc<T, A>(s);
+        a.dgate[k][item - a.start[k]] = from_acc<T, A>(sum_strided(p, a.cols[k], a.chunks[k]));
     }
 }
 
-// c[i] = sum over s of part[s * n + i], s in order: the split-K partial sums
-// of up to two products (one per chain) added up.
+// c[i] = sum over s of part[s * n + i] (in a fixed order): the split-K
+// partial sums of up to two products (one per chain) added up.
 template <typename A> struct SplitSum {
     const A *part[2];
     A *c[2];
@@ -225,22 +305,34 @@ template <typename A> __global__ void split_sum_kernel(SplitSum<A> a) {
     COMERA_FOR_EACH(item, a.start[a.count]) {
         int q = segment_of(item, a.start);
         int64_t i = item - a.start[q];
-        const A *p = a.part[q] + i;
-        A s = 0;
-        for (int64_t k = 0; k < a.nsplit[q]; k++) s += p[k * a.n[q]];
-        a.c[q][i] = s;
+        a.c[q][i] = sum_strided(a.part[q] + i, a.n[q], a.nsplit[q]);
     }
 }
 
-const int64_t kSplitChunk = 256;
-// dP_{k-1} = dP_k eff_k^T sums over dims[k] r[k+1] terms: split in chunks
-// of this many when longer, so that enough threads run (one thread per
-// output over the whole sum took 53 us a launch on an H200)
-const int64_t kChainChunk = 32;
+// The K chunk of a split product: about sqrt(K), within [16, 256], so that
+// both a thread's share of the sum and the later sum over the parts are
+// short.  A fixed chunk of 256 had threads run 256 steps for d(eff) over
+// 5760 merged rows (91 us of a 415 us step on an H200); now 76 parts of 76.
+inline int64_t split_chunk(int64_t K) {
+    int64_t c = 16;
+    while (c < 256 && c * c < K) c++;
+    return c;
+}
 
+inline int64_t split_count(int64_t K) {
+    int64_t c = split_chunk(K);
+    return K > c ? (K + c - 1) / c : 1;
+}
+
+// d(eff_k) = P_{k-1}^T dP_k sums over the rows of P_{k-1}
+inline int64_t deff_splits(const comera_tt_linear_shape &s, int k) {
+    return split_count((s.P_off[k] - s.P_off[k - 1]) / s.r[k]);
+}
+
+// dP_{k-1} = dP_k eff_k^T sums over dims[k] r[k+1] terms (one thread per
+// output over the whole sum took 53 us a launch on an H200)
 inline int64_t chain_splits(const comera_tt_linear_shape &s, int k) {
-    int64_t n = s.dims[k] * s.r[k + 1];
-    return n > kChainChunk ? (n + kChainChunk - 1) / kChainChunk : 1;
+    return split_count(s.dims[k] * s.r[k + 1]);
 }
 
 inline int64_t gate_chunks(const comera_tt_linear_shape &s, int k) {
@@ -257,35 +349,25 @@ inline int chain_last(const comera_tt_linear_shape &s, int chain) {
     return chain == 0 ? s.p - 1 : s.D - 1;
 }
 
-template <typename T> struct Layer {
+// The layer's operands as accumulator-type views: the gated cores from the
+// eff buffer (eff_kernel; eff_t holds them transposed, backward only) and
+// the merge buffer P.
+template <typename A> struct Layer {
     const tt_shape &s;
-    const T *const *cores;
-    const T *const *gates;
+    const A *eff_buf, *eff_t;
 
-    // core k as (rows x r[k+1]) scaled by its gate (the last core has none)
-    Mat<T> eff(int k, int64_t rs, int64_t cs) const {
-        Mat<T> m;
-        m.base = cores[k];
-        m.gate = k < s.D - 1 ? gates[k] : nullptr;
-        m.gmod = s.r[k + 1];
-        m.rs = rs;
-        m.cs = cs;
-        m.acc = 0;
-        return m;
+    // eff_k as (rows x r[k+1]) with the given strides
+    Mat<A> eff(int k, int64_t rs, int64_t cs) const {
+        return mat(eff_buf + s.core_off[k], rs, cs);
     }
+    // eff_k^T as ((dims[k] r[k+1]) x r[k]), stored row by row
+    Mat<A> eff_tr(int k) const { return mat(eff_t + s.core_off[k], s.r[k], 1); }
     // P_{k} (rows x r[k+1]) of k's chain: the gated core itself when k opens
     // its chain (it is never stored), else the merge buffer
-    Mat<T> chain(int k, const typename Acc<T>::type *P, bool transposed) const {
+    Mat<A> chain(int k, const A *P, bool transposed) const {
         int64_t c = s.r[k + 1];
         if (k == 0 || k == s.p) return transposed ? eff(k, 1, c) : eff(k, c, 1);
-        Mat<T> m;
-        m.base = P + s.P_off[k];
-        m.gate = nullptr;
-        m.gmod = 1;
-        m.rs = transposed ? 1 : c;
-        m.cs = transposed ? c : 1;
-        m.acc = 1;
-        return m;
+        return transposed ? mat(P + s.P_off[k], 1, c) : mat(P + s.P_off[k], c, 1);
     }
     int64_t rows_of(int k) const { return (s.P_off[k + 1] - s.P_off[k]) / s.r[k + 1]; }
     int steps() const {
@@ -294,44 +376,68 @@ template <typename T> struct Layer {
     }
 };
 
-template <typename T> Mat<T> acc_mat(const typename Acc<T>::type *base, int64_t rs, int64_t cs) {
-    Mat<T> m;
-    m.base = base;
-    m.gate = nullptr;
-    m.gmod = 1;
-    m.rs = rs;
-    m.cs = cs;
-    m.acc = 1;
-    return m;
+// Writes eff (and eff_t unless null) for every core, and zeroes n_zero
+// entries at zero.
+template <typename T>
+int launch_eff(const tt_shape &s, const T *const *cores, const T *const *gates,
+               typename Acc<T>::type *eff, typename Acc<T>::type *eff_t,
+               typename Acc<T>::type *zero, int64_t n_zero, cudaStream_t st) {
+    EffArgs<T> a;
+    a.D = s.D;
+    for (int k = 0; k <= s.D; k++) a.off[k] = s.core_off[k];
+    for (int k = 0; k < s.D; k++) {
+        a.core[k] = cores[k];
+        a.gate[k] = k < s.D - 1 ? gates[k] : nullptr;
+        a.rows[k] = s.r[k];
+        a.cols[k] = s.dims[k] * s.r[k + 1];
+        a.rank[k] = s.r[k + 1];
+    }
+    a.eff = eff;
+    a.eff_t = eff_t;
+    a.zero = zero;
+    a.n_zero = n_zero;
+    COMERA_LAUNCH(eff_kernel<T>, s.core_off[s.D] + n_zero, st, a);
+    return launched();
 }
 
-template <typename T> int launch_gemms(SmallGemmBatch<T> &b, cudaStream_t st) {
+// Whether every index small_gemm_item computes for g fits in an int.
+template <typename A> bool fits_int(const SmallGemm<A> &g) {
+    int64_t last_a = (g.M - 1) * g.a.rs + (g.K - 1) * g.a.cs;
+    int64_t last_b = (g.K - 1) * g.b.rs + (g.N - 1) * g.b.cs;
+    return g.M * g.N * g.nsplit <= INT_MAX && g.nsplit * g.kchunk <= INT_MAX && g.K <= INT_MAX &&
+           last_a <= INT_MAX && last_b <= INT_MAX;
+}
+
+template <typename A> int launch_gemms(SmallGemmBatch<A> &b, cudaStream_t st) {
     b.start[0] = 0;
-    for (int i = 0; i < b.count; i++) b.start[i + 1] = b.start[i] + b.g[i].M * b.g[i].N * b.g[i].nsplit;
+    for (int i = 0; i < b.count; i++) {
+        b.start[i + 1] = b.start[i] + b.g[i].M * b.g[i].N * b.g[i].nsplit;
+        b.g[i].i32 = fits_int(b.g[i]);
+    }
     if (b.count == 0 || b.start[b.count] == 0) return COMERA_OK;
-    COMERA_LAUNCH(small_gemm_kernel<T>, b.start[b.count], st, b);
+    COMERA_LAUNCH(small_gemm_kernel<A>, b.start[b.count], st, b);
     return launched();
 }
 
 // P_k = P_{k-1} eff_k for every step of both chains, one launch per step
 // (the two chains' steps run side by side).
-template <typename T> int run_merges(const Layer<T> &L, typename Acc<T>::type *P, cudaStream_t st) {
+template <typename A> int run_merges(const Layer<A> &L, A *P, cudaStream_t st) {
     const tt_shape &s = L.s;
     for (int step = 1; step <= L.steps(); step++) {
-        SmallGemmBatch<T> b;
+        SmallGemmBatch<A> b;
         b.count = 0;
         for (int chain = 0; chain < 2; chain++) {
             int first = chain_first(s, chain), last = chain_last(s, chain);
             int k = first + step;
             if (k > last) continue;
-            SmallGemm<T> &g = b.g[b.count++];
+            SmallGemm<A> &g = b.g[b.count++];
             g.M = L.rows_of(k - 1);
             g.K = s.r[k];
             g.N = s.dims[k] * s.r[k + 1];
             g.a = L.chain(k - 1, P, false);
             g.b = L.eff(k, g.N, 1);
             g.c = P + s.P_off[k];
-            g.kchunk = g.K > 0 ? g.K : 1;
+            g.kchunk = g.K;
             g.nsplit = 1;
         }
         int rc = launch_gemms(b, st);
@@ -340,15 +446,15 @@ template <typename T> int run_merges(const Layer<T> &L, typename Acc<T>::type *P
     return COMERA_OK;
 }
 
-template <typename T> PackArgs<T> pack_args(const Layer<T> &L, const typename Acc<T>::type *P) {
+template <typename T>
+PackArgs<T> pack_args(const Layer<typename Acc<T>::type> &L, const typename Acc<T>::type *P) {
     const tt_shape &s = L.s;
     PackArgs<T> a;
     a.in = s.in;
     a.out = s.out;
     a.rm = s.rmid;
-    a.v = s.p == 1 ? L.eff(0, s.rmid, 1) : acc_mat<T>(P + s.P_off[s.p - 1], s.rmid, 1);
-    a.u = s.D - s.p == 1 ? L.eff(s.D - 1, s.out_pad, 1)
-                         : acc_mat<T>(P + s.P_off[s.D - 1], s.out_pad, 1);
+    a.v = s.p == 1 ? L.eff(0, s.rmid, 1) : mat(P + s.P_off[s.p - 1], s.rmid, 1);
+    a.u = s.D - s.p == 1 ? L.eff(s.D - 1, s.out_pad, 1) : mat(P + s.P_off[s.D - 1], s.out_pad, 1);
     a.vc = a.uc = a.te = nullptr;
     a.bias = a.t_src = nullptr;
     a.batch = a.te_ld = 0;
@@ -360,13 +466,14 @@ template <typename T> PackArgs<T> pack_args(const Layer<T> &L, const typename Ac
 
 // ------------------------------------------------------------- workspace
 template <typename T> struct FwdBufs {
-    typename Acc<T>::type *P;
+    typename Acc<T>::type *eff, *P;
     T *vc, *ue, *te;
 };
 
 template <typename T> FwdBufs<T> fwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
     typedef typename Acc<T>::type A;
     FwdBufs<T> b;
+    b.eff = w.take<A>(s.core_off[s.D]);
     b.P = w.take<A>(s.P_off[s.D]);
     b.vc = w.take<T>(s.in * s.rmid);
     b.ue = w.take<T>((s.rmid + 1) * s.out);
@@ -375,7 +482,7 @@ template <typename T> FwdBufs<T> fwd_layout(const tt_shape &s, int64_t batch, bo
 }
 
 template <typename T> struct BwdBufs {
-    typename Acc<T>::type *P, *dP, *deff, *gpart;
+    typename Acc<T>::type *eff, *eff_t, *P, *dP, *deff, *gpart;
     typename Acc<T>::type *dpart[2];  // per chain: split sums of dP_{k-1}
     typename Acc<T>::type *part[COMERA_MAX_CORES];
     int64_t nsplit[COMERA_MAX_CORES];
@@ -385,6 +492,8 @@ template <typename T> struct BwdBufs {
 template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
     typedef typename Acc<T>::type A;
     BwdBufs<T> b;
+    b.eff = w.take<A>(s.core_off[s.D]);
+    b.eff_t = w.take<A>(s.core_off[s.D]);
     b.P = w.take<A>(s.P_off[s.D]);
     b.dP = w.take<A>(s.P_off[s.D] + s.out_pad);  // + the bias gradient row
     b.deff = w.take<A>(s.core_off[s.D]);
@@ -392,8 +501,7 @@ template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bo
         b.part[k] = nullptr;
         b.nsplit[k] = 1;
         if (k == 0 || k == s.p) continue;  // chain openers: d(eff) is dP itself
-        int64_t X = (s.P_off[k] - s.P_off[k - 1]) / s.r[k];
-        b.nsplit[k] = (X + kSplitChunk - 1) / kSplitChunk;
+        b.nsplit[k] = deff_splits(s, k);
         b.part[k] = w.take<A>(b.nsplit[k] * (s.core_off[k + 1] - s.core_off[k]));
     }
     for (int chain = 0; chain < 2; chain++) {
@@ -424,12 +532,13 @@ int fwd(const tt_shape &s, int64_t B, const T *x, const T *const *cores, const T
     const cublasComputeType_t ct = DType<T>::compute;
     bool hb = bias != nullptr;
     FwdBufs<T> b = fwd_layout<T>(s, B, hb, w);
-    Layer<T> L{s, cores, gates};
-    int rc = run_merges(L, b.P, st);
+    Layer<A> L{s, b.eff, nullptr};
+    int rc = launch_eff<T>(s, cores, gates, b.eff, nullptr, nullptr, 0, st);
+    if (!rc) rc = run_merges(L, b.P, st);
     if (rc) return rc;
     int64_t rm = s.rmid, te_ld = rm + (hb ? 1 : 0);
     T *te = hb ? b.te : t;
-    PackArgs<T> pa = pack_args(L, (const A *)b.P);
+    PackArgs<T> pa = pack_args<T>(L, b.P);
     pa.vc = b.vc;
     pa.uc = b.ue;
     pa.bias = bias;
@@ -452,6 +561,63 @@ int fwd(const tt_shape &s, int64_t B, const T *x, const T *const *cores, const T
 }
 
 // --------------------------------------------------------------- backward
+// Back through the merges: for step k of a chain, d(eff_k) = P_{k-1}^T dP_k
+// into b.part[k] (split over the long sum) and dP_{k-1} = dP_k eff_k^T,
+// both chains' steps side by side.
+template <typename T>
+int back_through_merges(const Layer<typename Acc<T>::type> &L, const BwdBufs<T> &b,
+                        cudaStream_t st) {
+    typedef typename Acc<T>::type A;
+    const tt_shape &s = L.s;
+    for (int step = 0; step < L.steps(); step++) {
+        SmallGemmBatch<A> sb;
+        sb.count = 0;
+        SplitSum<A> ss;
+        ss.count = 0;
+        for (int chain = 0; chain < 2; chain++) {
+            int first = chain_first(s, chain), last = chain_last(s, chain);
+            int k = last - step;
+            if (k <= first) continue;
+            int64_t X = L.rows_of(k - 1), N = s.dims[k] * s.r[k + 1];
+            SmallGemm<A> &ge = sb.g[sb.count++];
+            ge.M = s.r[k];
+            ge.N = N;
+            ge.K = X;
+            ge.a = L.chain(k - 1, b.P, true);
+            ge.b = mat<A>(b.dP + s.P_off[k], N, 1);
+            ge.c = b.part[k];
+            ge.kchunk = split_chunk(X);
+            ge.nsplit = b.nsplit[k];  // deff_splits(s, k): chunks of split_chunk(X)
+            SmallGemm<A> &gp = sb.g[sb.count++];
+            gp.M = X;
+            gp.N = s.r[k];
+            gp.K = N;
+            gp.a = mat<A>(b.dP + s.P_off[k], N, 1);
+            gp.b = L.eff_tr(k);
+            int64_t ns = chain_splits(s, k);
+            gp.kchunk = split_chunk(N);
+            gp.nsplit = ns;
+            gp.c = ns > 1 ? b.dpart[chain] : b.dP + s.P_off[k - 1];
+            if (ns > 1) {
+                ss.part[ss.count] = b.dpart[chain];
+                ss.c[ss.count] = b.dP + s.P_off[k - 1];
+                ss.n[ss.count] = X * s.r[k];
+                ss.nsplit[ss.count] = ns;
+                ss.count++;
+            }
+        }
+        int rc = launch_gemms(sb, st);
+        if (rc) return rc;
+        if (ss.count > 0) {
+            ss.start[0] = 0;
+            for (int q = 0; q < ss.count; q++) ss.start[q + 1] = ss.start[q] + ss.n[q];
+            COMERA_LAUNCH(split_sum_kernel<A>, ss.start[ss.count], st, ss);
+            if ((rc = launched())) return rc;
+        }
+    }
+    return COMERA_OK;
+}
+
 template <typename T>
 int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const T *const *cores,
         const T *const *gates, T *dx, T *const *dcores, T *const *dgates, T *dbias, Arena &w,
@@ -461,17 +627,15 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
     const cublasComputeType_t ct = DType<T>::compute;
     bool hb = dbias != nullptr;
     BwdBufs<T> b = bwd_layout<T>(s, B, hb, w);
-    Layer<T> L{s, cores, gates};
+    Layer<A> L{s, b.eff, b.eff_t};
     int64_t rm = s.rmid, te_ld = rm + (hb ? 1 : 0);
     // dV, dU and the bias row are written for the real features only: the
     // padding and (for batch 0) everything else must read as zero
-    if (cudaMemsetAsync(b.dP, 0, sizeof(A) * (size_t)(s.P_off[s.D] + s.out_pad), st) !=
-        cudaSuccess)
-        return COMERA_ERR_CUDA;
-    int rc = run_merges(L, b.P, st);
+    int rc = launch_eff<T>(s, cores, gates, b.eff, b.eff_t, b.dP, s.P_off[s.D] + s.out_pad, st);
+    if (!rc) rc = run_merges(L, b.P, st);
     if (rc) return rc;
     const T *te = hb ? b.te : t;
-    PackArgs<T> pa = pack_args(L, (const A *)b.P);
+    PackArgs<T> pa = pack_args<T>(L, b.P);
     pa.vc = b.vc;
     pa.uc = b.uc;
     pa.te = hb ? b.te : nullptr;
@@ -499,53 +663,7 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
         if (rc) return rc;
     }
 
-    // back through the merges: for step k of a chain, d(eff_k) = P_{k-1}^T dP_k
-    // (split over the long sum) and dP_{k-1} = dP_k eff_k^T
-    for (int step = 0; step < L.steps(); step++) {
-        SmallGemmBatch<T> sb;
-        sb.count = 0;
-        SplitSum<A> ss;
-        ss.count = 0;
-        for (int chain = 0; chain < 2; chain++) {
-            int first = chain_first(s, chain), last = chain_last(s, chain);
-            int k = last - step;
-            if (k <= first) continue;
-            int64_t X = L.rows_of(k - 1), N = s.dims[k] * s.r[k + 1];
-            SmallGemm<T> &ge = sb.g[sb.count++];
-            ge.M = s.r[k];
-            ge.N = N;
-            ge.K = X;
-            ge.a = L.chain(k - 1, b.P, true);
-            ge.b = acc_mat<T>(b.dP + s.P_off[k], N, 1);
-            ge.c = b.part[k];
-            ge.kchunk = kSplitChunk;
-            ge.nsplit = b.nsplit[k];
-            SmallGemm<T> &gp = sb.g[sb.count++];
-            gp.M = X;
-            gp.N = s.r[k];
-            gp.K = N;
-            gp.a = acc_mat<T>(b.dP + s.P_off[k], N, 1);
-            gp.b = L.eff(k, 1, N);
-            int64_t ns = chain_splits(s, k);
-            gp.kchunk = ns > 1 ? kChainChunk : (N > 0 ? N : 1);
-            gp.nsplit = ns;
-            gp.c = ns > 1 ? b.dpart[chain] : b.dP + s.P_off[k - 1];
-            if (ns > 1) {
-                ss.part[ss.count] = b.dpart[chain];
-                ss.c[ss.count] = b.dP + s.P_off[k - 1];
-                ss.n[ss.count] = X * s.r[k];
-                ss.nsplit[ss.count] = ns;
-                ss.count++;
-            }
-        }
-        if ((rc = launch_gemms(sb, st))) return rc;
-        if (ss.count > 0) {
-            ss.start[0] = 0;
-            for (int q = 0; q < ss.count; q++) ss.start[q + 1] = ss.start[q] + ss.n[q];
-            COMERA_LAUNCH(split_sum_kernel<A>, ss.start[ss.count], st, ss);
-            if ((rc = launched())) return rc;
-        }
-    }
+    if ((rc = back_through_merges(L, b, st))) return rc;
 
     CoreGradArgs<T> ca;
     ca.D = s.D;

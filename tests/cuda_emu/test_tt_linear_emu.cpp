@@ -75,12 +75,15 @@ static void check(bool ok, const std::string &what) {
     }
 }
 
-/* max |a - b| relative to max |b| */
+/* max |a - b| relative to max |b|; a NaN fails (fmax alone would skip it,
+ * and unwritten workspace reads as NaN) */
 template <typename T>
 static double rel_err(const std::vector<T> &got, const std::vector<double> &ref) {
     double num = 0, den = 1e-30;
     for (size_t i = 0; i < ref.size(); i++) {
-        num = std::fmax(num, std::fabs(to_d(got[i]) - ref[i]));
+        double d = std::fabs(to_d(got[i]) - ref[i]);
+        if (std::isnan(d)) return 1e30;
+        num = std::fmax(num, d);
         den = std::fmax(den, std::fabs(ref[i]));
     }
     return got.size() == ref.size() ? num / den : 1e30;
