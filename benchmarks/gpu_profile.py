@@ -7,7 +7,7 @@ Writes DIR/gpu_profile.md: per method, the CUDA kernels of 20 steps
 (torch.profiler), sorted by GPU time, and the wall time per step; for
 TTLinear also every kernel launch of one step in order, with its grid, block
 and GPU time (from the profiler's trace), to tell the launches of one kernel
-apart.
+apart, and the host side of the same steps sorted by self CPU time.
 """
 import json
 import tempfile
@@ -97,6 +97,9 @@ def main(argv=None):
         lines += [f"## {method}: {wall:.3f} ms per step (wall, unprofiled)", "", "```", table, "```", ""]
         if method == "comera.TTLinear":
             lines += launches(step)
+            host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                             max_name_column_width=60)
+            lines += ["### The same steps by host (CPU) time", "", "```", host, "```", ""]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_profile.md"), "w") as f:
         f.write("\n".join(lines))

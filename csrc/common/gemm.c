@@ -75,64 +75,11 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
             int mr = (int)(M - i0 < v->mr ? M - i0 : v->mr);
             for (int64_t j0 = jb; j0 < jend; j0 += v->nr) {
                 int nr = (int)(N - j0 < v->nr ? N - j0 : v->nr);
-                v->tile(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, NR, K * NR, C + i0 * ldc + j0,
-                        ldc, mr, nr, accumulate);
+                v->tile(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, C + i0 * ldc + j0, ldc, mr, nr,
+                        accumulate);
             }
         }
     }
-}
-
-/* Rows of the last partial panel packed per pass of comera_gemm_direct_f32:
- * a 16 KB stack buffer, so the call needs no allocation. */
-#define TAIL_K 256
-
-/* The columns [j0, N) of a direct product, fewer than one panel: packed (and
- * zero-padded) TAIL_K rows at a time, the later passes accumulating. */
-static void direct_tail(const comera_gemm_variant *v, int64_t M, int64_t N, int64_t K,
-                        const float *A, int64_t rsa, int64_t csa, const float *B, int64_t ldb,
-                        int64_t j0, float *C, int64_t ldc, int accumulate) {
-    float panel[TAIL_K * NR];
-    int nr = (int)(N - j0);
-    for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += TAIL_K) {
-        int64_t kc = K - k0 < TAIL_K ? K - k0 : TAIL_K;
-        comera_gemm_pack_b_f32(kc, nr, B + k0 * ldb + j0, ldb, 1, panel);
-        for (int64_t i0 = 0; i0 < M; i0 += v->mr) {
-            int mr = (int)(M - i0 < v->mr ? M - i0 : v->mr);
-            v->tile(kc, A + i0 * rsa + k0 * csa, rsa, csa, panel, NR, kc * NR,
-                    C + i0 * ldc + j0, ldc, mr, nr, accumulate || k0 > 0);
-        }
-    }
-}
-
-void comera_gemm_direct_f32(int64_t M, int64_t N, int64_t K,
-                            const float *A, int64_t rsa, int64_t csa,
-                            const float *B, int64_t ldb, float *C, int64_t ldc,
-                            int accumulate) {
-    if (M <= 0 || N <= 0) return;
-    const comera_gemm_variant *v = comera_gemm_variant_in_use();
-    int64_t whole = N - N % NR; /* columns the tiles read in place */
-    int64_t nc = (B_BLOCK_BYTES / ((K > 0 ? K : 1) * NR * (int64_t)sizeof(float))) * NR;
-    nc -= nc % v->nr;
-    if (nc < v->nr) nc = v->nr;
-    for (int64_t jb = 0; jb < whole; jb += nc) {
-        int64_t jend = whole - jb < nc ? whole : jb + nc;
-        for (int64_t i0 = 0; i0 < M; i0 += v->mr) {
-            int mr = (int)(M - i0 < v->mr ? M - i0 : v->mr);
-            for (int64_t j0 = jb; j0 < jend; j0 += v->nr) {
-                int nr = (int)(jend - j0 < v->nr ? jend - j0 : v->nr);
-                v->tile(K, A + i0 * rsa, rsa, csa, B + j0, ldb, NR, C + i0 * ldc + j0, ldc, mr,
-                        nr, accumulate);
-            }
-        }
-    }
-    if (whole < N) direct_tail(v, M, N, K, A, rsa, csa, B, ldb, whole, C, ldc, accumulate);
-}
-
-void comera_gemm_direct_f64(int64_t M, int64_t N, int64_t K,
-                            const double *A, int64_t rsa, int64_t csa,
-                            const double *B, int64_t ldb, double *C, int64_t ldc,
-                            int accumulate) {
-    comera_gemm_f64(M, N, K, A, rsa, csa, B, ldb, 1, C, ldc, accumulate);
 }
 
 /* float64 serves gradcheck and reference work: a plain loop is enough. */

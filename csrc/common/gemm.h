@@ -51,19 +51,6 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
                             const double *Bp, double *C, int64_t ldc,
                             int accumulate);
 
-/* C (M x N) (+)= A * B with B row-major (K x N, row stride ldb) read in
- * place, without packing: for a B that each tile row reads once (M up to a
- * tile's rows, or a B block still in cache), where a packing pass would be
- * one more trip over it.  The last N % 16 columns are packed on the stack. */
-void comera_gemm_direct_f32(int64_t M, int64_t N, int64_t K,
-                            const float *A, int64_t rsa, int64_t csa,
-                            const float *B, int64_t ldb, float *C, int64_t ldc,
-                            int accumulate);
-void comera_gemm_direct_f64(int64_t M, int64_t N, int64_t K,
-                            const double *A, int64_t rsa, int64_t csa,
-                            const double *B, int64_t ldb, double *C, int64_t ldc,
-                            int accumulate);
-
 /* Unpacked convenience form for small or one-off products: packs B into a
  * temporary when the product is large enough to pay for it.  Returns 0, or
  * -3 when the temporary cannot be allocated. */

@@ -54,15 +54,14 @@ static void row_pointers(const float **a, int rows, const float *A, int64_t rsa,
 
 #define GENERIC_MR 6
 static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                         const float *B, int64_t ldb, int64_t b2, float *C, int64_t ldc,
-                         int mr, int nr, int accumulate) {
-    (void)b2; /* 16 columns: one panel */
+                         const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                         int accumulate) {
     const float *a[GENERIC_MR];
     row_pointers(a, GENERIC_MR, A, rsa, mr);
     float acc[GENERIC_MR][NR];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k++) {
-        const float *b = B + k * ldb;
+        const float *b = Bp + k * NR;
         for (int i = 0; i < GENERIC_MR; i++) {
             float s = a[i][k * csa];
             for (int j = 0; j < NR; j++) acc[i][j] += s * b[j];
@@ -75,16 +74,15 @@ static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
 #define AVX2_MR 6
 __attribute__((target("avx2,fma")))
 static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                      const float *B, int64_t ldb, int64_t b2, float *C, int64_t ldc,
-                      int mr, int nr, int accumulate) {
-    (void)b2; /* 16 columns: one panel */
+                      const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                      int accumulate) {
     const float *a[AVX2_MR];
     row_pointers(a, AVX2_MR, A, rsa, mr);
     __m256 c0[AVX2_MR], c1[AVX2_MR];
 #pragma GCC unroll 6
     for (int i = 0; i < AVX2_MR; i++) c0[i] = c1[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+        __m256 b0 = _mm256_loadu_ps(Bp + k * NR), b1 = _mm256_loadu_ps(Bp + k * NR + 8);
         int64_t o = k * csa;
 #pragma GCC unroll 6
         for (int i = 0; i < AVX2_MR; i++) {
@@ -121,17 +119,17 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
  * PANELS, so each caller below is its own fully unrolled tile. */
 __attribute__((target("avx512f"), always_inline))
 static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, int64_t rsa,
-                               int64_t csa, const float *B, int64_t ldb, int64_t b2, float *C,
-                               int64_t ldc, int mr, int nr, int accumulate) {
+                               int64_t csa, const float *Bp, float *C, int64_t ldc, int mr,
+                               int nr, int accumulate) {
     const float *a[AVX512_MR];
     row_pointers(a, ROWS, A, rsa, mr);
-    const float *B1 = B + b2;
+    const float *B1 = Bp + K * NR;
     __m512 c0[AVX512_MR], c1[AVX512_MR];
 #pragma GCC unroll 12
     for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m512 b0 = _mm512_loadu_ps(B + k * ldb);
-        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * ldb) : b0;
+        __m512 b0 = _mm512_loadu_ps(Bp + k * NR);
+        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * NR) : b0;
         int64_t o = k * csa;
 #pragma GCC unroll 12
         for (int i = 0; i < ROWS; i++) {
@@ -161,24 +159,24 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
     store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate);
 }
 
-/* Up to 12 rows and 32 columns (columns 16..31 from the second panel;
- * packing pads a last partial panel with zeros).  A short tile runs
+/* Up to 12 rows and 32 columns (columns 16..31 from the next panel, Bp +
+ * 16 * K; packing pads a last partial panel with zeros).  A short tile runs
  * on 8 or 4 rows: the weight-gradient products have M = rank or rank + 1
  * rows (17 would cost 24 rows of 12-row tiles, 20 with 12 + 8). */
 __attribute__((target("avx512f")))
 static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                        const float *B, int64_t ldb, int64_t b2, float *C, int64_t ldc,
-                        int mr, int nr, int accumulate) {
+                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                        int accumulate) {
     int panels = nr <= NR ? 1 : 2;
     if (mr > 8) {
-        if (panels == 1) avx512_rows(12, 1, K, A, rsa, csa, B, ldb, b2, C, ldc, mr, nr, accumulate);
-        else avx512_rows(12, 2, K, A, rsa, csa, B, ldb, b2, C, ldc, mr, nr, accumulate);
+        if (panels == 1) avx512_rows(12, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        else avx512_rows(12, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
     } else if (mr > 4) {
-        if (panels == 1) avx512_rows(8, 1, K, A, rsa, csa, B, ldb, b2, C, ldc, mr, nr, accumulate);
-        else avx512_rows(8, 2, K, A, rsa, csa, B, ldb, b2, C, ldc, mr, nr, accumulate);
+        if (panels == 1) avx512_rows(8, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        else avx512_rows(8, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
     } else {
-        if (panels == 1) avx512_rows(4, 1, K, A, rsa, csa, B, ldb, b2, C, ldc, mr, nr, accumulate);
-        else avx512_rows(4, 2, K, A, rsa, csa, B, ldb, b2, C, ldc, mr, nr, accumulate);
+        if (panels == 1) avx512_rows(4, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        else avx512_rows(4, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
     }
 }
 #endif

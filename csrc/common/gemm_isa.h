@@ -1,11 +1,7 @@
 /* The float32 micro-kernel variants of common/gemm.c and the one choice among
- * them (internal to csrc).  A tile computes C[0..mr) x [0..nr) (+)= A * B
- * for mr <= the variant's rows, nr <= its columns (16, or 32 for a variant
- * that reads two 16-column panels).  Row k of the first panel is the 16
- * floats at B + k * ldb, of the second at B + b2 + k * ldb: a packed panel
- * has ldb = 16 and the next one b2 = 16 K floats on; B read in place (a
- * row-major operand) has ldb = its row stride and b2 = 16.  Every tile reads
- * all 16 (or 32) columns of each row, whatever nr: callers pass whole panels.
+ * them (internal to csrc).  A tile computes C[0..mr) x [0..nr) (+)= A * Bp
+ * for packed 16-column panels from Bp on, mr <= the variant's rows, nr <= its
+ * columns (16, or 32 for a variant that reads two adjacent panels).
  * The variant is chosen once per process (common/gemm_isa.c): the best one
  * the CPU runs, or the one COMERA_ISA names (docs/design.md section 5). */
 #ifndef COMERA_GEMM_ISA_H
@@ -14,8 +10,8 @@
 #include <stdint.h>
 
 typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                                const float *B, int64_t ldb, int64_t b2, float *C, int64_t ldc,
-                                int mr, int nr, int accumulate);
+                                const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                                int accumulate);
 
 typedef struct comera_gemm_variant {
     const char *name; /* "avx512", "avx2" or "generic" */

@@ -89,12 +89,13 @@ typedef struct FN(emb_ctx) {
     const REAL *last;     /* core d-1 itself, for the transposed last level */
     REAL *state;          /* R_k, k = 1..d-2 */
     REAL *acc;            /* dR_k, k = 0..d-2 (backward) */
+    REAL *pack;           /* a packed dR_k (backward) */
     REAL *tpack, *tout;   /* transposed last level */
     REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
 } FN(emb_ctx);
 
 /* Carves one thread's scratch out of ws: states, then (backward only)
- * accumulators, then the transposed-level buffers.
+ * accumulators and the packing buffer, then the transposed-level buffers.
  * Returns the number of elements used; the same call with ws == NULL
  * sizes it. */
 static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, int backward) {
@@ -107,6 +108,8 @@ static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, in
     if (backward) {
         c->acc = ws ? ws + off : NULL;
         off += s->acc_off[d - 1];
+        c->pack = ws ? ws + off : NULL;
+        off += s->pack_scratch;
     }
     c->tpack = ws ? ws + off : NULL;
     off += s->t_pack;
@@ -160,11 +163,13 @@ static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, c
     REAL *dslice = c->deff[k] + idx[k] * N;
     if (k == s->d - 1 && s->last_t) {
         /* slice gradient transposed: (e x r) = X^T (e x E) times R (E x r) */
-        FN(comera_gemm_direct)(N, rk, M, X, 1, N, R, rk, c->tout, rk, 0);
+        FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
+        FN(comera_gemm_packed)(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);
         for (int64_t a = 0; a < rk; a++)
             for (int64_t j = 0; j < N; j++) dslice[a * ld + j] += c->tout[j * rk + a];
     } else {
-        FN(comera_gemm_direct)(rk, N, M, R, 1, rk, X, N, dslice, ld, 1);
+        FN(comera_gemm_pack_b)(M, N, X, N, 1, c->pack);
+        FN(comera_gemm_packed)(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
     }
     FN(comera_gemm_packed)(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
                            c->acc + s->acc_off[k - 1], rk, 1);
@@ -298,7 +303,8 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
-    /* per thread: states, dR accumulators, the row gradient.  Thread 0 accumulates the gated-core gradients straight into
+    /* per thread: states, dR accumulators, the row gradient, a packing
+     * buffer.  Thread 0 accumulates the gated-core gradients straight into
      * dcores, the others into private copies (priv) added on in thread
      * order, so the sums do not depend on scheduling. */
     FN(emb_ctx) ctx0;

@@ -64,6 +64,7 @@ int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
             return COMERA_ERR_OVERFLOW;
     }
     s->pf_off[1] = s->pb_off[1] = 0;
+    s->pack_scratch = 1;
     s->row_flops = 0.0;
     for (int k = 1; k < D; k++) {
         int64_t N, sz;
@@ -76,6 +77,8 @@ int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
             return COMERA_ERR_OVERFLOW;
         if (!mul_ok(s->v[k], s->pb_size[k], &sz) || !add_ok(s->pb_off[k], sz, &s->pb_off[k + 1]))
             return COMERA_ERR_OVERFLOW;
+        sz = comera_gemm_packed_size(s->E[k - 1], N);
+        if (sz > s->pack_scratch) s->pack_scratch = sz;
         s->level_flops[k] = 2.0 * (double)s->E[k - 1] * (double)s->r[k] * (double)N;
         s->row_flops += s->level_flops[k];
     }
@@ -87,12 +90,13 @@ int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
         double transposed = (double)((N + 5) / 6 * 6) * (double)((M + 15) / 16 * 16) * (double)K +
                             (double)(K * ((M + 15) / 16 * 16)) + (double)(M * N);
         s->last_t = transposed < 0.8 * straight;
-        s->t_pack = s->last_t ? comera_gemm_packed_size(K, M) : 0;
+        int64_t a = comera_gemm_packed_size(K, M), b = comera_gemm_packed_size(M, K);
+        s->t_pack = s->last_t ? (a > b ? a : b) : 0;
         s->t_out = s->last_t ? N * (M > K ? M : K) : 0;
     }
     /* room for per-thread copies of every workspace, with margin */
-    int64_t per = s->core_off[D] + s->acc_off[D - 1] + s->state_off[D - 1] + s->dim_pad +
-                  s->t_pack + s->t_out;
+    int64_t per = s->core_off[D] + s->acc_off[D - 1] + s->state_off[D - 1] + s->pack_scratch +
+                  s->dim_pad + s->t_pack + s->t_out;
     if (!mul_ok(per, 8 * 256, &t) || !mul_ok(s->pf_off[D] + s->pb_off[D], 16, &t))
         return COMERA_ERR_OVERFLOW;
     return COMERA_OK;

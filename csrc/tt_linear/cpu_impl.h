@@ -188,8 +188,10 @@ static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const 
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         w->Te[i * re + rm] = 1;
     }
-    FN(comera_gemm_direct)(re, out, nr, w->Te, 1, re, dyb, out, w->dUe, out, 1);
-    FN(comera_gemm_direct)(rm, in, nr, w->S, 1, rm, xb, in, w->dVt, in, 1);
+    FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, w->Bp);
+    FN(comera_gemm_packed)(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
+    FN(comera_gemm_pack_b)(nr, in, xb, in, 1, w->Bp);
+    FN(comera_gemm_packed)(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);
 }
 
 static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,

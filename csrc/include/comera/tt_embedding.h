@@ -127,10 +127,11 @@ typedef struct comera_tt_embedding_shape {
      * e[k] r[k+1]) and backward B = C_k[:, i]^T (e[k] r[k+1] x r[k]) */
     int64_t pf_size[COMERA_MAX_CORES], pf_off[COMERA_MAX_CORES + 1];
     int64_t pb_size[COMERA_MAX_CORES], pb_off[COMERA_MAX_CORES + 1];
+    int64_t pack_scratch; /* packed dR_k as a B operand (E[k-1] x e[k] r[k+1]) */
     /* The last level writes only e[d-1] columns (r[d] = 1), which fills a
      * 16-wide panel of the micro-kernel badly when e[d-1] is small; then it
      * runs transposed (rows as columns): last_t = 1, with per-thread room
-     * t_pack for the packed R^T and t_out for the transposed result. */
+     * t_pack for the packed R^T or R and t_out for the transposed result. */
     int32_t last_t;
     int64_t t_pack, t_out;
     double level_flops[COMERA_MAX_CORES]; /* [0] = 0: R_0 is a slice, no work */
