@@ -80,6 +80,7 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
             }
         }
     }
+    if (accumulate == COMERA_GEMM_STREAM) comera_gemm_store_fence();
 }
 
 /* float64 serves gradcheck and reference work: a plain loop is enough. */
@@ -98,7 +99,8 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
                 for (int j = 0; j < NR; j++) acc[j] += s * panel[k * NR + j];
             }
             double *c = C + i * ldc + j0;
-            for (int64_t j = 0; j < nr; j++) c[j] = accumulate ? c[j] + acc[j] : acc[j];
+            for (int64_t j = 0; j < nr; j++)
+                c[j] = accumulate == COMERA_GEMM_ADD ? c[j] + acc[j] : acc[j];
         }
     }
 }
@@ -114,7 +116,7 @@ int comera_gemm_f32(int64_t M, int64_t N, int64_t K,
     if (M * N * K <= SMALL_GEMM) {
         for (int64_t i = 0; i < M; i++) {
             float *c = C + i * ldc;
-            if (!accumulate)
+            if (accumulate != COMERA_GEMM_ADD)
                 for (int64_t j = 0; j < N; j++) c[j] = 0.0f;
             for (int64_t k = 0; k < K; k++) {
                 float s = A[i * rsa + k * csa];
@@ -141,7 +143,7 @@ int comera_gemm_f64(int64_t M, int64_t N, int64_t K,
     if (M <= 0 || N <= 0) return 0;
     for (int64_t i = 0; i < M; i++) {
         double *c = C + i * ldc;
-        if (!accumulate)
+        if (accumulate != COMERA_GEMM_ADD)
             for (int64_t j = 0; j < N; j++) c[j] = 0.0;
         for (int64_t k = 0; k < K; k++) {
             double s = A[i * rsa + k * csa];

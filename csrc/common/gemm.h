@@ -38,7 +38,24 @@ void comera_gemm_pack_b_f32(int64_t K, int64_t N, const float *B,
 void comera_gemm_pack_b_f64(int64_t K, int64_t N, const double *B,
                             int64_t rsb, int64_t csb, double *packed);
 
-/* C (M x N, row stride ldc) = A * Bp, or C += A * Bp when accumulate != 0.
+/* What a product does with C: overwrite it, add to it, or overwrite it with
+ * streaming stores: whole 64-byte lines written without first being read
+ * into the cache, which halves the memory traffic of an output far larger
+ * than the cache (the float32 packed product on AVX-512, where C and ldc are
+ * 64-byte aligned; elsewhere STREAM is STORE). */
+#define COMERA_GEMM_STORE 0
+#define COMERA_GEMM_ADD 1
+#define COMERA_GEMM_STREAM 2
+
+/* STREAM for an output of at least this many bytes, else STORE: a smaller
+ * one may still be in cache when the next operation reads it. */
+#define COMERA_GEMM_STREAM_BYTES ((int64_t)8 << 20)
+static inline int comera_gemm_store_mode(int64_t bytes) {
+    return bytes >= COMERA_GEMM_STREAM_BYTES ? COMERA_GEMM_STREAM : COMERA_GEMM_STORE;
+}
+
+/* C (M x N, row stride ldc) = A * Bp, or C += A * Bp when accumulate is
+ * COMERA_GEMM_ADD.
  * A is M x K with element (m, k) at A[m * rsa + k * csa]; Bp was packed by
  * comera_gemm_pack_b_* with the same K and N.  K == 0 gives C = 0 (or C
  * unchanged when accumulating). */

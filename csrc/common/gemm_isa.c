@@ -39,7 +39,7 @@ static void store_partial(const float *tile, int width, int mr, int nr, float *C
     for (int i = 0; i < mr; i++) {
         float *c = C + i * ldc;
         const float *t = tile + i * width;
-        if (accumulate)
+        if (accumulate == COMERA_GEMM_ADD)
             for (int j = 0; j < nr; j++) c[j] += t[j];
         else
             for (int j = 0; j < nr; j++) c[j] = t[j];
@@ -95,7 +95,7 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
 #pragma GCC unroll 6
         for (int i = 0; i < AVX2_MR; i++) {
             float *c = C + i * ldc;
-            if (accumulate) {
+            if (accumulate == COMERA_GEMM_ADD) {
                 c0[i] = _mm256_add_ps(c0[i], _mm256_loadu_ps(c));
                 c1[i] = _mm256_add_ps(c1[i], _mm256_loadu_ps(c + 8));
             }
@@ -138,14 +138,25 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
             if (PANELS == 2) c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
         }
     }
+    /* streaming stores write whole aligned lines without reading them first */
+    int stream = accumulate == COMERA_GEMM_STREAM && ((uintptr_t)C | (uintptr_t)(ldc * 4)) % 64 == 0;
+    if (mr == ROWS && nr == PANELS * NR && stream) {
+#pragma GCC unroll 12
+        for (int i = 0; i < ROWS; i++) {
+            _mm512_stream_ps(C + i * ldc, c0[i]);
+            if (PANELS == 2) _mm512_stream_ps(C + i * ldc + NR, c1[i]);
+        }
+        return;
+    }
     if (mr == ROWS && nr == PANELS * NR) {
+        int add = accumulate == COMERA_GEMM_ADD;
 #pragma GCC unroll 12
         for (int i = 0; i < ROWS; i++) {
             float *ci = C + i * ldc;
-            if (accumulate) c0[i] = _mm512_add_ps(c0[i], _mm512_loadu_ps(ci));
+            if (add) c0[i] = _mm512_add_ps(c0[i], _mm512_loadu_ps(ci));
             _mm512_storeu_ps(ci, c0[i]);
             if (PANELS == 1) continue;
-            if (accumulate) c1[i] = _mm512_add_ps(c1[i], _mm512_loadu_ps(ci + NR));
+            if (add) c1[i] = _mm512_add_ps(c1[i], _mm512_loadu_ps(ci + NR));
             _mm512_storeu_ps(ci + NR, c1[i]);
         }
         return;
@@ -241,6 +252,12 @@ const comera_gemm_variant *comera_gemm_variant_in_use(void) {
     }
     while (!(v = atomic_load_explicit(&in_use, memory_order_acquire))) sched_yield();
     return v;
+}
+
+void comera_gemm_store_fence(void) {
+#ifdef COMERA_X86_VARIANTS
+    _mm_sfence();
+#endif
 }
 
 const char *comera_gemm_isa(void) {

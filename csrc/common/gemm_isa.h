@@ -20,6 +20,9 @@ typedef struct comera_gemm_variant {
     comera_tile_f32 tile;
 } comera_gemm_variant;
 
+/* Orders streaming stores (COMERA_GEMM_STREAM) before what follows. */
+void comera_gemm_store_fence(void);
+
 /* The variant in use; the first call decides, later calls return the same. */
 const comera_gemm_variant *comera_gemm_variant_in_use(void);
 

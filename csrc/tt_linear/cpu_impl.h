@@ -107,18 +107,19 @@ static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
  * the bias folded into the product as one more row of U (no second pass
  * over y).  Te is a rb x (r + 1) scratch; without a bias y = T U. */
 static void FN(fwd_block)(const tt_shape *s, int64_t nr, const REAL *xb, const REAL *Vp,
-                          const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te) {
+                          const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te,
+                          int ymode) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     FN(comera_gemm_packed)(nr, rm, in, xb, in, 1, Vp, tb, rm, 0);
     if (!has_bias) {
-        FN(comera_gemm_packed)(nr, out, rm, tb, rm, 1, Up, yb, out, 0);
+        FN(comera_gemm_packed)(nr, out, rm, tb, rm, 1, Up, yb, out, ymode);
         return;
     }
     for (int64_t i = 0; i < nr; i++) {
         memcpy(Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         Te[i * re + rm] = 1;
     }
-    FN(comera_gemm_packed)(nr, out, re, Te, re, 1, Up, yb, out, 0);
+    FN(comera_gemm_packed)(nr, out, re, Te, re, 1, Up, yb, out, ymode);
 }
 
 static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
@@ -150,11 +151,12 @@ static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
         } else {
             FN(comera_gemm_pack_b)(rm, out, U, s->out_pad, 1, Up);
         }
+        int ymode = comera_gemm_store_mode(batch * out * (int64_t)sizeof(REAL));
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
             FN(fwd_block)(s, nr, x + r0 * in, Vp, Up, bias != NULL, t + r0 * rm, y + r0 * out,
-                          Te + rb * re * omp_get_thread_num());
+                          Te + rb * re * omp_get_thread_num(), ymode);
         }
     }
     comera_ws_release(block, cached);
@@ -176,6 +178,7 @@ typedef struct {
     REAL *S;   /* rb x r */
     REAL *Te;  /* rb x (r + 1): [T | 1] */
     REAL *Bp;  /* a dy or x block packed */
+    int dxmode; /* how dx is stored (comera_gemm_store_mode) */
 } FN(bwd_ws);
 
 static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL *xb,
@@ -183,7 +186,7 @@ static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const 
                           const FN(bwd_ws) *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
-    if (dxb) FN(comera_gemm_packed)(nr, in, rm, w->S, rm, 1, VTp, dxb, in, 0);
+    if (dxb) FN(comera_gemm_packed)(nr, in, rm, w->S, rm, 1, VTp, dxb, in, w->dxmode);
     for (int64_t i = 0; i < nr; i++) {
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         w->Te[i * re + rm] = 1;
@@ -234,6 +237,7 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
             w.S = w.dVt + rm * in;
             w.Te = w.S + rb * rm;
             w.Bp = w.Te + rb * re;
+            w.dxmode = comera_gemm_store_mode(batch * in * (int64_t)sizeof(REAL));
             /* stride by the team actually granted: inside another parallel
              * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
              * per-thread sums stay zero */

@@ -95,6 +95,28 @@ static void gemm_case(lcg_t *g, int64_t M, int64_t N, int64_t K, int la, int lb,
     free(A); free(B); free(C0); free(R); free(absR); free(out); free(Af); free(Bf); free(Cf);
 }
 
+/* COMERA_GEMM_STREAM writes the same values as COMERA_GEMM_STORE, bit for
+ * bit (same products, other stores), in 64-byte-aligned rows where the
+ * streaming stores run and in unaligned ones where they cannot. */
+static void stream_case(lcg_t *g, int64_t M, int64_t N, int64_t K, int64_t ldc, int offset) {
+    float *A = falloc(M * K), *B = falloc(K * N), *Bp = falloc(comera_gemm_packed_size(K, N));
+    float *C0 = aligned_alloc(64, (size_t)((M * ldc + offset) * 4 + 64) / 64 * 64);
+    float *C1 = aligned_alloc(64, (size_t)((M * ldc + offset) * 4 + 64) / 64 * 64);
+    double *t = dalloc(M * K > K * N ? M * K : K * N);
+    fill_uniform(g, t, M * K, -1, 1);
+    to_float(t, A, M * K);
+    fill_uniform(g, t, K * N, -1, 1);
+    to_float(t, B, K * N);
+    for (int64_t i = 0; i < M * ldc + offset; i++) C0[i] = C1[i] = (float)SENTINEL;
+    comera_gemm_pack_b_f32(K, N, B, N, 1, Bp);
+    comera_gemm_packed_f32(M, N, K, A, K, 1, Bp, C0 + offset, ldc, COMERA_GEMM_STORE);
+    comera_gemm_packed_f32(M, N, K, A, K, 1, Bp, C1 + offset, ldc, COMERA_GEMM_STREAM);
+    check(memcmp(C0, C1, sizeof(float) * (size_t)(M * ldc + offset)) == 0,
+          "stream M=%lld N=%lld K=%lld ldc=%lld offset=%d differs from store", (long long)M,
+          (long long)N, (long long)K, (long long)ldc, offset);
+    free(A); free(B); free(Bp); free(C0); free(C1); free(t);
+}
+
 void test_gemm(void) {
     static const int64_t S[] = {0, 1, 5, 6, 7, 15, 16, 17, 33, 100};
     const int ns = (int)(sizeof S / sizeof S[0]);
@@ -124,6 +146,14 @@ void test_gemm(void) {
         for (int l = 0; l < 9; l += 4)
             for (int acc = 0; acc < 2; acc++)
                 gemm_case(&g, BIG[s][0], BIG[s][1], BIG[s][2], l / 3, l % 3, acc);
+    group_end();
+
+    group_begin("gemm streaming stores equal plain stores");
+    static const int64_t ST[][4] = {{12, 768, 9, 768}, {25, 64, 31, 64}, {100, 50, 8, 64},
+                                    {7, 32, 17, 48}, {13, 96, 5, 100}};
+    for (int c = 0; c < 5; c++)
+        for (int offset = 0; offset < 2; offset++)
+            stream_case(&g, ST[c][0], ST[c][1], ST[c][2], ST[c][3], offset);
     group_end();
 
     /* packed_size covers every panel, and K == 0 leaves C alone (acc) or
