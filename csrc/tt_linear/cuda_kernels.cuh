@@ -1,0 +1,325 @@
+// The device side of the TT linear layer on the GPU (cuda.cu holds the
+// host side): strided views, the small products, the gated-core, pack,
+// gradient and split-sum kernels, and the split sizes they share.  Every
+// kernel: one thread per output element, no shared memory, no atomics, sums
+// in a fixed order (see common/cuda_common.cuh).
+#ifndef COMERA_CUDA_TT_LINEAR_CUH
+#define COMERA_CUDA_TT_LINEAR_CUH
+
+#include "comera/tt_linear.h"
+#include "common/cuda_common.cuh"
+
+namespace comera_cuda {
+namespace {
+
+typedef comera_tt_linear_shape tt_shape;
+
+// A strided matrix view on an accumulator-type buffer: element (i, j) at
+// base[i * rs + j * cs].  The gated cores are materialised once per call
+// (eff_kernel), so every operand of the small products is such a view.
+template <typename A> struct Mat {
+    const A *base;
+    int64_t rs, cs;
+};
+
+template <typename A> Mat<A> mat(const A *base, int64_t rs, int64_t cs) {
+    Mat<A> m;
+    m.base = base;
+    m.rs = rs;
+    m.cs = cs;
+    return m;
+}
+
+template <typename A> __host__ __device__ __forceinline__ A mat_at(const Mat<A> &m, int64_t i,
+                                                                   int64_t j) {
+    return m.base[i * m.rs + j * m.cs];
+}
+
+// The segment holding item, given the segments' prefix sums (start[0] = 0,
+// item < start[n]): the kernels below run several small jobs in one launch.
+__host__ __device__ __forceinline__ int segment_of(int64_t item, const int64_t *start) {
+    int k = 0;
+    while (item >= start[k + 1]) k++;
+    return k;
+}
+
+// o % mod in 32 bits where both fit (always, for a core's offsets): a 64-bit
+// remainder costs several times more on a GPU, once per element read.
+__host__ __device__ __forceinline__ int64_t mod_small(int64_t o, int64_t mod) {
+    return ((o | mod) >> 32) == 0 ? (int64_t)((uint32_t)o % (uint32_t)mod) : o % mod;
+}
+
+// sum over k < n of a[k as] b[k bs] in four partial sums, added in a fixed
+// order at the end: the four loads of a round are independent, so they are
+// in flight together instead of one memory latency per term.
+template <typename A, typename I>
+__host__ __device__ __forceinline__ A dot(const A *a, I as, const A *b, I bs, I n) {
+    A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    I k = 0;
+    for (; k + 4 <= n; k += 4) {
+        s0 += a[k * as] * b[k * bs];
+        s1 += a[(k + 1) * as] * b[(k + 1) * bs];
+        s2 += a[(k + 2) * as] * b[(k + 2) * bs];
+        s3 += a[(k + 3) * as] * b[(k + 3) * bs];
+    }
+    for (; k < n; k++) s0 += a[k * as] * b[k * bs];
+    return (s0 + s1) + (s2 + s3);
+}
+
+// p[0] + p[stride] + ... + p[(n - 1) stride], four partial sums as in dot:
+// the sums over split-K parts and gate chunks.
+template <typename A>
+__host__ __device__ __forceinline__ A sum_strided(const A *p, int64_t stride, int64_t n) {
+    A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4) {
+        s0 += p[k * stride];
+        s1 += p[(k + 1) * stride];
+        s2 += p[(k + 2) * stride];
+        s3 += p[(k + 3) * stride];
+    }
+    for (; k < n; k++) s0 += p[k * stride];
+    return (s0 + s1) + (s2 + s3);
+}
+
+// C (M x N, row-major) = A (M x K) B (K x N) over a slice of K: split s of
+// nsplit sums k in [s kchunk, (s + 1) kchunk) into c + s M N.  Splitting K
+// gives the long reductions (core gradients sum over up to thousands of
+// merged rows) enough threads; the splits are added in a fixed order later.
+// i32: every index fits in an int (see fits_int), the usual case.
+template <typename A> struct SmallGemm {
+    Mat<A> a, b;
+    A *c;
+    int64_t M, N, K, kchunk, nsplit;
+    int i32;
+};
+
+const int kMaxGemms = 4;
+template <typename A> struct SmallGemmBatch {
+    SmallGemm<A> g[kMaxGemms];
+    int64_t start[kMaxGemms + 1];  // prefix sums of M N nsplit
+    int count;
+};
+
+// Entry `local` of g's output (split s, row i, column j at s M N + i N + j),
+// in index type I: int where every index fits, as 32-bit divisions and
+// address arithmetic are several times cheaper on a GPU, else int64_t.
+template <typename A, typename I>
+__host__ __device__ __forceinline__ void small_gemm_item(const SmallGemm<A> &g, I local) {
+    I mn = (I)(g.M * g.N), split = local / mn, ij = local - split * mn;
+    I i = ij / (I)g.N, j = ij - i * (I)g.N;
+    I k0 = split * (I)g.kchunk, n = (I)g.K - k0 < (I)g.kchunk ? (I)g.K - k0 : (I)g.kchunk;
+    const A *a = g.a.base + (i * (I)g.a.rs + k0 * (I)g.a.cs);
+    const A *b = g.b.base + (k0 * (I)g.b.rs + j * (I)g.b.cs);
+    g.c[local] = dot<A, I>(a, (I)g.a.cs, b, (I)g.b.rs, n);
+}
+
+template <typename A> __global__ void small_gemm_kernel(SmallGemmBatch<A> b) {
+    COMERA_FOR_EACH(item, b.start[b.count]) {
+        int q = segment_of(item, b.start);
+        const SmallGemm<A> &g = b.g[q];
+        int64_t local = item - b.start[q];
+        if (g.i32)
+            small_gemm_item<A, int>(g, (int)local);
+        else
+            small_gemm_item<A, int64_t>(g, local);
+    }
+}
+
+// eff_k = core_k scaled by gate_k (the last core has none) in the
+// accumulator type, for every core, once per call: the small products then
+// read plain arrays instead of converting, taking a remainder for the gate
+// index and loading the gate at every term.  With eff_t, also each eff_k
+// transposed ((dims[k] r[k+1]) x r[k]), for the dP chain product, whose
+// threads then read eff_k coalesced.  Also zeroes n_zero entries at `zero`
+// (the backward's dP: one launch fewer than a memset).
+template <typename T> struct EffArgs {
+    const T *core[COMERA_MAX_CORES];
+    const T *gate[COMERA_MAX_CORES];
+    int64_t off[COMERA_MAX_CORES + 1];  // core_off
+    int64_t rows[COMERA_MAX_CORES], cols[COMERA_MAX_CORES];  // r[k], dims[k] r[k + 1]
+    int64_t rank[COMERA_MAX_CORES];  // r[k + 1], the gate's size
+    typename Acc<T>::type *eff, *eff_t, *zero;
+    int64_t n_zero;
+    int D;
+};
+
+template <typename T> __global__ void eff_kernel(EffArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    int64_t total = a.off[a.D];
+    COMERA_FOR_EACH(item, total + a.n_zero) {
+        if (item >= total) {
+            a.zero[item - total] = 0;
+            continue;
+        }
+        int k = segment_of(item, a.off);
+        int64_t o = item - a.off[k];
+        A v = to_acc<A>(a.core[k][o]);
+        if (a.gate[k]) v *= to_acc<A>(a.gate[k][mod_small(o, a.rank[k])]);
+        a.eff[item] = v;
+        if (a.eff_t) {
+            int64_t i = o / a.cols[k];
+            a.eff_t[a.off[k] + (o - i * a.cols[k]) * a.rows[k] + i] = v;
+        }
+    }
+}
+
+// Writes the element-type operands of the four big GEMMs: vc (in x rm) from
+// V, uc ((rm [+1]) x out) from U [and the bias row], and te (batch x te_ld):
+// with t_src, a copy of t; with te_ld > rm, a ones column at rm.
+template <typename T> struct PackArgs {
+    Mat<typename Acc<T>::type> v, u;
+    T *vc, *uc, *te;
+    const T *bias, *t_src;
+    int64_t in, out, rm, batch, te_ld;
+    int64_t n_v, n_u, n_te;  // items per part
+};
+
+template <typename T> __global__ void pack_kernel(PackArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, a.n_v + a.n_u + a.n_te) {
+        if (item < a.n_v) {
+            int64_t i = item / a.rm, c = item % a.rm;
+            a.vc[item] = from_acc<T, A>(mat_at(a.v, i, c));
+        } else if (item < a.n_v + a.n_u) {
+            int64_t o = item - a.n_v, c = o / a.out, j = o % a.out;
+            a.uc[o] = c < a.rm ? from_acc<T, A>(mat_at(a.u, c, j)) : a.bias[j];
+        } else {
+            int64_t o = item - a.n_v - a.n_u;
+            if (a.t_src) {
+                int64_t r = o / a.te_ld, c = o % a.te_ld;
+                a.te[o] = c < a.rm ? a.t_src[r * a.rm + c] : from_acc<T, A>((A)1);
+            } else {
+                a.te[o * a.te_ld + a.rm] = from_acc<T, A>((A)1);  // o is the row
+            }
+        }
+    }
+}
+
+// d(core) = d(eff) * gate from the split partial sums of d(eff); also keeps
+// the summed d(eff) for the gate gradients, and converts the bias gradient.
+template <typename T> struct CoreGradArgs {
+    const typename Acc<T>::type *src[COMERA_MAX_CORES];
+    int64_t nsplit[COMERA_MAX_CORES];
+    int64_t off[COMERA_MAX_CORES + 1];
+    const T *gate[COMERA_MAX_CORES];
+    int64_t gmod[COMERA_MAX_CORES];
+    T *dcore[COMERA_MAX_CORES];
+    typename Acc<T>::type *deff;
+    const typename Acc<T>::type *dbias_src;
+    T *dbias;
+    int64_t n_bias;
+    int D;
+};
+
+template <typename T> __global__ void core_grad_kernel(CoreGradArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    int64_t total = a.off[a.D];
+    COMERA_FOR_EACH(item, total + a.n_bias) {
+        if (item >= total) {
+            a.dbias[item - total] = from_acc<T, A>(a.dbias_src[item - total]);
+            continue;
+        }
+        int k = segment_of(item, a.off);
+        int64_t o = item - a.off[k], size = a.off[k + 1] - a.off[k];
+        A s = sum_strided(a.src[k] + o, size, a.nsplit[k]);
+        a.deff[item] = s;
+        a.dcore[k][o] =
+            from_acc<T, A>(a.gate[k] ? s * to_acc<A>(a.gate[k][mod_small(o, a.gmod[k])]) : s);
+    }
+}
+
+// d(gate k)[j] = sum_i d(eff k)[i, j] core_k[i, j], in two passes: partial
+// sums over chunks of kGateChunk rows (one thread each), then their sum in a
+// fixed order.  One thread per entry over all rows had a few dozen threads
+// run hundreds of steps each (46 us of a 466 us step on an H200).
+const int64_t kGateChunk = 16;
+
+template <typename T> struct GateGradArgs {
+    const typename Acc<T>::type *deff;
+    typename Acc<T>::type *part;
+    int64_t off[COMERA_MAX_CORES + 1];
+    int64_t start[COMERA_MAX_CORES];  // prefix sums of the gate sizes
+    int64_t pstart[COMERA_MAX_CORES];  // prefix sums of gate size x chunks
+    int64_t cols[COMERA_MAX_CORES];
+    int64_t chunks[COMERA_MAX_CORES];
+    const T *core[COMERA_MAX_CORES];
+    T *dgate[COMERA_MAX_CORES];
+    int G;
+};
+
+template <typename T> __global__ void gate_part_kernel(GateGradArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, a.pstart[a.G]) {
+        int k = segment_of(item, a.pstart);
+        int64_t cols = a.cols[k], c = (item - a.pstart[k]) / cols, j = (item - a.pstart[k]) % cols;
+        int64_t rows = (a.off[k + 1] - a.off[k]) / cols;
+        int64_t i1 = (c + 1) * kGateChunk < rows ? (c + 1) * kGateChunk : rows;
+        const A *de = a.deff + a.off[k];
+        A s = 0;
+        for (int64_t i = c * kGateChunk; i < i1; i++)
+            s += de[i * cols + j] * to_acc<A>(a.core[k][i * cols + j]);
+        a.part[item] = s;
+    }
+}
+
+template <typename T> __global__ void gate_sum_kernel(GateGradArgs<T> a) {
+    typedef typename Acc<T>::type A;
+    COMERA_FOR_EACH(item, a.start[a.G]) {
+        int k = segment_of(item, a.start);
+        const A *p = a.part + a.pstart[k] + (item - a.start[k]);
+        a.dgate[k][item - a.start[k]] = from_acc<T, A>(sum_strided(p, a.cols[k], a.chunks[k]));
+    }
+}
+
+// c[i] = sum over s of part[s * n + i] (in a fixed order): the split-K
+// partial sums of up to two products (one per chain) added up.
+template <typename A> struct SplitSum {
+    const A *part[2];
+    A *c[2];
+    int64_t n[2], nsplit[2], start[3];
+    int count;
+};
+
+template <typename A> __global__ void split_sum_kernel(SplitSum<A> a) {
+    COMERA_FOR_EACH(item, a.start[a.count]) {
+        int q = segment_of(item, a.start);
+        int64_t i = item - a.start[q];
+        a.c[q][i] = sum_strided(a.part[q] + i, a.n[q], a.nsplit[q]);
+    }
+}
+
+// The K chunk of a split product: about sqrt(K), within [16, 256], so that
+// both a thread's share of the sum and the later sum over the parts are
+// short.  A fixed chunk of 256 had threads run 256 steps for d(eff) over
+// 5760 merged rows (91 us of a 415 us step on an H200); now 76 parts of 76.
+inline int64_t split_chunk(int64_t K) {
+    int64_t c = 16;
+    while (c < 256 && c * c < K) c++;
+    return c;
+}
+
+inline int64_t split_count(int64_t K) {
+    int64_t c = split_chunk(K);
+    return K > c ? (K + c - 1) / c : 1;
+}
+
+// d(eff_k) = P_{k-1}^T dP_k sums over the rows of P_{k-1}
+inline int64_t deff_splits(const comera_tt_linear_shape &s, int k) {
+    return split_count((s.P_off[k] - s.P_off[k - 1]) / s.r[k]);
+}
+
+// dP_{k-1} = dP_k eff_k^T sums over dims[k] r[k+1] terms (one thread per
+// output over the whole sum took 53 us a launch on an H200)
+inline int64_t chain_splits(const comera_tt_linear_shape &s, int k) {
+    return split_count(s.dims[k] * s.r[k + 1]);
+}
+
+inline int64_t gate_chunks(const comera_tt_linear_shape &s, int k) {
+    int64_t cols = s.r[k + 1], rows = (s.core_off[k + 1] - s.core_off[k]) / cols;
+    return (rows + kGateChunk - 1) / kGateChunk;
+}
+
+}  // namespace
+}  // namespace comera_cuda
+#endif
