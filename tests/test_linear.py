@@ -262,3 +262,20 @@ def test_eager_path_equals_the_registered_autograd(dtype, bias):
         assert torch.equal(g, r)
     with torch.no_grad():  # the no-grad path calls the operator below autograd
         assert torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("in_f, out_f", [(16, 1024), (1024, 16)])
+def test_outputs_of_8mb_or_more_match_dense(in_f, out_f):
+    # 2048 rows make y (16 -> 1024) or dx (1024 -> 16) 8 MB: the size from which
+    # the C kernels write them with streaming stores (common/gemm.h)
+    layer = _make(in_f, out_f, None, None, 4, torch.float32, "merge")
+    x = torch.randn(2048, in_f, requires_grad=True)
+    y = layer(x)
+    yr, xr, cores, gates, b = _dense_reference(layer, x)
+    torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    for c, cr in zip(layer.cores, cores):
+        torch.testing.assert_close(c.grad, cr.grad, atol=1e-3, rtol=1e-4)
