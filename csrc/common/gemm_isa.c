@@ -139,7 +139,8 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
         }
     }
     /* streaming stores write whole aligned lines without reading them first */
-    int stream = accumulate == COMERA_GEMM_STREAM && ((uintptr_t)C | (uintptr_t)(ldc * 4)) % 64 == 0;
+    uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * (int64_t)sizeof(float));
+    int stream = accumulate == COMERA_GEMM_STREAM && rows % 64 == 0;
     if (mr == ROWS && nr == PANELS * NR && stream) {
 #pragma GCC unroll 12
         for (int i = 0; i < ROWS; i++) {
