@@ -2,12 +2,15 @@
 beside nn.Linear and the torch.matmul merge path (bench_linear.MatmulMerge).
 
     python benchmarks/gpu_profile.py --out DIR      # on a GPU, ~20 s
+    python benchmarks/gpu_profile.py --out DIR --layer embedding
 
 Writes DIR/gpu_profile.md: per method, the CUDA kernels of 20 steps
 (torch.profiler), sorted by GPU time, and the wall time per step; for
 TTLinear also every kernel launch of one step in order, with its grid, block
 and GPU time (from the profiler's trace), to tell the launches of one kernel
-apart, and the host side of the same steps sorted by self CPU time.
+apart, and the host side of the same steps sorted by self CPU time.  With
+--layer embedding: TTEmbedding(30522, 768, rank 16) against nn.Embedding on
+4096 Zipf(1.1) indices, written to DIR/gpu_profile_embedding.md.
 """
 import json
 import tempfile
@@ -34,7 +37,7 @@ def module(method, in_f, out_f, rank, dtype):
     return m.to("cuda", dtype)
 
 
-def launches(step):
+def launches(step, what="TTLinear"):
     """Every GPU kernel and memset of one step, in launch order."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
@@ -46,7 +49,7 @@ def launches(step):
             events = json.load(f)["traceEvents"]
     rows = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                   key=lambda e: e["ts"])
-    out = ["### One TTLinear step, launch by launch", "",
+    out = [f"### One {what} step, launch by launch", "",
            "| # | kernel | grid | block | us |", "|---|---|---|---|---|"]
     for i, e in enumerate(rows):
         a = e.get("args", {})
@@ -54,6 +57,52 @@ def launches(step):
                    f"| {e.get('dur', 0):.1f} |")
     total = sum(e.get("dur", 0) for e in rows)
     return out + ["", f"GPU time in this step: {total:.1f} us", ""]
+
+
+def profile_steps(step, steps):
+    """Wall ms per step (unprofiled), and the profiler of `steps` more."""
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return wall, prof
+
+
+def embedding_lines(args):
+    num, dim, rank = 30522, 768, 16
+    probs = torch.arange(1, num + 1, dtype=torch.float64) ** -1.1
+    idx = torch.multinomial(probs, 4096, replacement=True,
+                            generator=torch.Generator().manual_seed(0)).cuda()
+    gy = torch.randn(4096, dim, device="cuda")
+    lines = [f"# GPU profile: embedding {num} x {dim}, TT rank {rank}, 4096 Zipf(1.1) indices,"
+             " float32", "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+             f"{args.steps} forward+backward steps per method.", ""]
+    torch.manual_seed(0)
+    for method, m in (("nn.Embedding", nn.Embedding(num, dim)),
+                      ("comera.TTEmbedding", comera.TTEmbedding(num, dim, rank=rank))):
+        m = m.cuda()
+
+        def step():
+            for p in m.parameters():
+                p.grad = None
+            m(idx).backward(gy)
+
+        wall, prof = profile_steps(step, args.steps)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                          max_name_column_width=60)
+        lines += [f"## {method}: {wall:.3f} ms per step (wall, unprofiled)", "", "```", table,
+                  "```", ""]
+        if method == "comera.TTEmbedding":
+            lines += launches(step, "TTEmbedding")
+    return lines
 
 
 def main(argv=None):
@@ -64,7 +113,15 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layer", choices=["linear", "embedding"], default="linear")
     args = ap.parse_args(argv)
+    if args.layer == "embedding":
+        lines = embedding_lines(args)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_profile_embedding.md"), "w") as f:
+            f.write("\n".join(lines))
+        print("\n".join(lines))
+        return
     in_f, out_f = (int(v) for v in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
     x = torch.randn(args.rows, in_f, device="cuda", dtype=dtype, requires_grad=True)
@@ -81,18 +138,7 @@ def main(argv=None):
                 p.grad = None
             m(x).backward(gy)
 
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps * 1e3
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                step()
-            torch.cuda.synchronize()
+        wall, prof = profile_steps(step, args.steps)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
         lines += [f"## {method}: {wall:.3f} ms per step (wall, unprofiled)", "", "```", table, "```", ""]
         if method == "comera.TTLinear":
