@@ -43,44 +43,6 @@ __host__ __device__ __forceinline__ int segment_of(int64_t item, const int64_t *
     return k;
 }
 
-// o % mod in 32 bits where both fit (always, for a core's offsets): a 64-bit
-// remainder costs several times more on a GPU, once per element read.
-__host__ __device__ __forceinline__ int64_t mod_small(int64_t o, int64_t mod) {
-    return ((o | mod) >> 32) == 0 ? (int64_t)((uint32_t)o % (uint32_t)mod) : o % mod;
-}
-
-// sum over k < n of a[k as] b[k bs] in four partial sums, added in a fixed
-// order at the end: the four loads of a round are independent, so they are
-// in flight together instead of one memory latency per term.
-template <typename A, typename I>
-__host__ __device__ __forceinline__ A dot(const A *a, I as, const A *b, I bs, I n) {
-    A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    I k = 0;
-    for (; k + 4 <= n; k += 4) {
-        s0 += a[k * as] * b[k * bs];
-        s1 += a[(k + 1) * as] * b[(k + 1) * bs];
-        s2 += a[(k + 2) * as] * b[(k + 2) * bs];
-        s3 += a[(k + 3) * as] * b[(k + 3) * bs];
-    }
-    for (; k < n; k++) s0 += a[k * as] * b[k * bs];
-    return (s0 + s1) + (s2 + s3);
-}
-
-// p[0] + p[stride] + ... + p[(n - 1) stride], four partial sums as in dot:
-// the sums over split-K parts and gate chunks.
-template <typename A>
-__host__ __device__ __forceinline__ A sum_strided(const A *p, int64_t stride, int64_t n) {
-    A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    int64_t k = 0;
-    for (; k + 4 <= n; k += 4) {
-        s0 += p[k * stride];
-        s1 += p[(k + 1) * stride];
-        s2 += p[(k + 2) * stride];
-        s3 += p[(k + 3) * stride];
-    }
-    for (; k < n; k++) s0 += p[k * stride];
-    return (s0 + s1) + (s2 + s3);
-}
 
 // C (M x N, row-major) = A (M x K) B (K x N) over a slice of K: split s of
 // nsplit sums k in [s kchunk, (s + 1) kchunk) into c + s M N.  Splitting K
@@ -287,21 +249,6 @@ template <typename A> __global__ void split_sum_kernel(SplitSum<A> a) {
         int64_t i = item - a.start[q];
         a.c[q][i] = sum_strided(a.part[q] + i, a.n[q], a.nsplit[q]);
     }
-}
-
-// The K chunk of a split product: about sqrt(K), within [16, 256], so that
-// both a thread's share of the sum and the later sum over the parts are
-// short.  A fixed chunk of 256 had threads run 256 steps for d(eff) over
-// 5760 merged rows (91 us of a 415 us step on an H200); now 76 parts of 76.
-inline int64_t split_chunk(int64_t K) {
-    int64_t c = 16;
-    while (c < 256 && c * c < K) c++;
-    return c;
-}
-
-inline int64_t split_count(int64_t K) {
-    int64_t c = split_chunk(K);
-    return K > c ? (K + c - 1) / c : 1;
 }
 
 // d(eff_k) = P_{k-1}^T dP_k sums over the rows of P_{k-1}

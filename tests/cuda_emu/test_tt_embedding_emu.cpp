@@ -2,11 +2,11 @@
  * for the host with the emulation in cuda_emulate.h, against the float64 C
  * kernels (csrc/tt_embedding/cpu.c) as reference, for float64, float32,
  * bfloat16 and float16: plain, sum (with and without per-sample weights) and
- * mean bags, every reuse strategy, repeated indices, a padding row, padded
- * row and dim modes, empty bags and an empty batch.  Also: the workspace
- * size is enough (guard bytes past it stay untouched), an index out of range
- * reads as NaN, argument errors, and the backward is bitwise the same for a
- * permuted batch of distinct rows.
+ * mean bags, every reuse strategy, repeated indices (also runs of hundreds
+ * of one row), a padding row, padded row and dim modes, empty bags and an
+ * empty batch.  Also: the workspace size is enough (guard bytes past it stay
+ * untouched), an index out of range reads as NaN, argument errors, and the
+ * backward is bitwise the same for a permuted batch of distinct rows.
  * Prints one line per failure, then "N passed, M failed"; exits 1 on failure. */
 #include "cuda_emulate.h"
 
@@ -212,6 +212,24 @@ template <typename T> static void run_all() {
     }
 }
 
+/* Long runs of one row (hundreds of duplicates, over many aligned chunks
+ * of the seed's two-pass sum) and large slices (many partial sums per core
+ * entry), plain and in bags: a few big bags, a bag of one, an empty one. */
+template <typename T> static void long_runs() {
+    for (int ci : {2, 5}) {
+        const Case &c = CASES[ci];
+        for (int64_t n : {300, 700}) {
+            std::vector<int64_t> idx = random_indices(c, n);
+            for (int64_t p = 0; p < n; p++)
+                if (urand() > -0.2) idx[(size_t)p] = p % 3 ? 3 % c.num : (c.num - 2);
+            std::vector<int64_t> off = {0, n / 2, n / 2 + 1, n / 2 + 1, n};
+            run<T>(c, COMERA_EMB_PLAIN, false, COMERA_REUSE_AUTO, idx, {});
+            run<T>(c, COMERA_EMB_SUM, true, COMERA_REUSE_NONE, idx, off);
+            run<T>(c, COMERA_EMB_MEAN, false, COMERA_REUSE_AUTO, idx, off);
+        }
+    }
+}
+
 /* An index out of range reads NaN (plain row, its bag) and no memory past
  * the table; argument errors come back as codes. */
 static void edge_cases() {
@@ -301,6 +319,8 @@ int main() {
     run_all<float>();
     run_all<__nv_bfloat16>();
     run_all<__half>();
+    long_runs<double>();
+    long_runs<float>();
     edge_cases();
     permutation_invariance();
     printf("%d passed, %d failed\n", passed, failed);
