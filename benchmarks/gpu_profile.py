@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 import comera
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_embedding import zipf_indices  # noqa: E402
 from bench_linear import MatmulMerge  # noqa: E402
 
 
@@ -78,9 +79,7 @@ def profile_steps(step, steps):
 
 def embedding_lines(args):
     num, dim, rank = 30522, 768, 16
-    probs = torch.arange(1, num + 1, dtype=torch.float64) ** -1.1
-    idx = torch.multinomial(probs, 4096, replacement=True,
-                            generator=torch.Generator().manual_seed(0)).cuda()
+    idx = zipf_indices(num, 4096, torch.Generator().manual_seed(0)).cuda()
     gy = torch.randn(4096, dim, device="cuda")
     lines = [f"# GPU profile: embedding {num} x {dim}, TT rank {rank}, 4096 Zipf(1.1) indices,"
              " float32", "", f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
@@ -105,6 +104,13 @@ def embedding_lines(args):
     return lines
 
 
+def write(out, name, lines):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -116,11 +122,7 @@ def main(argv=None):
     ap.add_argument("--layer", choices=["linear", "embedding"], default="linear")
     args = ap.parse_args(argv)
     if args.layer == "embedding":
-        lines = embedding_lines(args)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_profile_embedding.md"), "w") as f:
-            f.write("\n".join(lines))
-        print("\n".join(lines))
+        write(args.out, "gpu_profile_embedding.md", embedding_lines(args))
         return
     in_f, out_f = (int(v) for v in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
@@ -146,10 +148,7 @@ def main(argv=None):
             host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
                                              max_name_column_width=60)
             lines += ["### The same steps by host (CPU) time", "", "```", host, "```", ""]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_profile.md"), "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    write(args.out, "gpu_profile.md", lines)
 
 
 if __name__ == "__main__":

@@ -147,18 +147,19 @@ __host__ __device__ __forceinline__ int64_t mod_small(int64_t o, int64_t mod) {
 
 // sum over k < n of a[k as] b[k bs] in four partial sums, added in a fixed
 // order at the end: the four loads of a round are independent, so they are
-// in flight together instead of one memory latency per term.
-template <typename A, typename I>
-__host__ __device__ __forceinline__ A dot(const A *a, I as, const A *b, I bs, I n) {
+// in flight together instead of one memory latency per term.  b may be in
+// the element type (converted to a's accumulator type term by term).
+template <typename A, typename B, typename I>
+__host__ __device__ __forceinline__ A dot(const A *a, I as, const B *b, I bs, I n) {
     A s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     I k = 0;
     for (; k + 4 <= n; k += 4) {
-        s0 += a[k * as] * b[k * bs];
-        s1 += a[(k + 1) * as] * b[(k + 1) * bs];
-        s2 += a[(k + 2) * as] * b[(k + 2) * bs];
-        s3 += a[(k + 3) * as] * b[(k + 3) * bs];
+        s0 += a[k * as] * to_acc<A>(b[k * bs]);
+        s1 += a[(k + 1) * as] * to_acc<A>(b[(k + 1) * bs]);
+        s2 += a[(k + 2) * as] * to_acc<A>(b[(k + 2) * bs]);
+        s3 += a[(k + 3) * as] * to_acc<A>(b[(k + 3) * bs]);
     }
-    for (; k < n; k++) s0 += a[k * as] * b[k * bs];
+    for (; k < n; k++) s0 += a[k * as] * to_acc<A>(b[k * bs]);
     return (s0 + s1) + (s2 + s3);
 }
 

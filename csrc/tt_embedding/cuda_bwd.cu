@@ -252,17 +252,7 @@ __global__ void gate_part_kernel(const A *x, const T *core, int64_t rows, int64_
     COMERA_FOR_EACH(item, chunks * r2) {
         int64_t c = item / r2, b = item % r2, m = c * chunk;
         int64_t m1 = m + chunk < rows ? m + chunk : rows;
-        const A *xb = x + b;
-        const T *cb = core + b;
-        A s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // four sums in flight, as in dot
-        for (; m + 4 <= m1; m += 4) {
-            s0 += xb[m * r2] * to_acc<A>(cb[m * r2]);
-            s1 += xb[(m + 1) * r2] * to_acc<A>(cb[(m + 1) * r2]);
-            s2 += xb[(m + 2) * r2] * to_acc<A>(cb[(m + 2) * r2]);
-            s3 += xb[(m + 3) * r2] * to_acc<A>(cb[(m + 3) * r2]);
-        }
-        for (; m < m1; m++) s0 += xb[m * r2] * to_acc<A>(cb[m * r2]);
-        part[item] = (s0 + s1) + (s2 + s3);
+        part[item] = dot(x + m * r2 + b, r2, core + m * r2 + b, r2, m1 - m);
     }
 }
 

@@ -73,7 +73,7 @@ __host__ __device__ __forceinline__ void small_gemm_item(const SmallGemm<A> &g, 
     I k0 = split * (I)g.kchunk, n = (I)g.K - k0 < (I)g.kchunk ? (I)g.K - k0 : (I)g.kchunk;
     const A *a = g.a.base + (i * (I)g.a.rs + k0 * (I)g.a.cs);
     const A *b = g.b.base + (k0 * (I)g.b.rs + j * (I)g.b.cs);
-    g.c[local] = dot<A, I>(a, (I)g.a.cs, b, (I)g.b.rs, n);
+    g.c[local] = dot<A, A, I>(a, (I)g.a.cs, b, (I)g.b.rs, n);
 }
 
 template <typename A> __global__ void small_gemm_kernel(SmallGemmBatch<A> b) {
