@@ -41,8 +41,8 @@ void comera_gemm_pack_b_f64(int64_t K, int64_t N, const double *B,
 /* What a product does with C: overwrite it, add to it, or overwrite it with
  * streaming stores: whole 64-byte lines written without first being read
  * into the cache, which halves the memory traffic of an output far larger
- * than the cache (the float32 packed product on AVX-512, where C and ldc are
- * 64-byte aligned; elsewhere STREAM is STORE). */
+ * than the cache (the float32 packed product on AVX-512 and AVX2, where C
+ * and ldc are 64-byte aligned; elsewhere STREAM is STORE). */
 #define COMERA_GEMM_STORE 0
 #define COMERA_GEMM_ADD 1
 #define COMERA_GEMM_STREAM 2
@@ -67,6 +67,21 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
                             const double *A, int64_t rsa, int64_t csa,
                             const double *Bp, double *C, int64_t ldc,
                             int accumulate);
+
+/* C (M x N, row stride ldc) = A Bt^T, each element a dot product along K:
+ * A is M x K and Bt is N x K, both contiguous along K (row strides lda,
+ * ldb).  For products only a few columns wide, where most of a 16-column
+ * packed panel would be padding. */
+void comera_gemm_dot_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc);
+void comera_gemm_dot_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                         const double *Bt, int64_t ldb, double *C, int64_t ldc);
+
+/* 1 when comera_gemm_dot_* is the faster kernel for an output N columns
+ * wide on this CPU's variant (float64: never, its packed loop is the
+ * reference path). */
+int comera_gemm_dot_wins_f32(int64_t N);
+int comera_gemm_dot_wins_f64(int64_t N);
 
 /* Unpacked convenience form for small or one-off products: packs B into a
  * temporary when the product is large enough to pay for it.  Returns 0, or

@@ -7,7 +7,8 @@
  * into an FMA, so the plain-C form would issue a multiply and an add.
  *
  *   avx2     6 x 16: 12 ymm accumulators + 2 B vectors + 1 broadcast of 16
- *            registers, enough independent FMAs to cover their latency.
+ *            registers, enough independent FMAs to cover their latency;
+ *            streaming stores as on AVX-512 (a tile row is one whole line).
  *   avx512  12 x 32: two packed panels at once, two zmm per row, 24
  *            accumulators, so each broadcast of A feeds two FMAs (with one
  *            panel, 12 x 16, the broadcasts alone kept the load ports as
@@ -90,6 +91,16 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
             c0[i] = _mm256_fmadd_ps(s, b0, c0[i]);
             c1[i] = _mm256_fmadd_ps(s, b1, c1[i]);
         }
+    }
+    /* a row of the tile is one whole 64-byte line when C and ldc are aligned */
+    uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * (int64_t)sizeof(float));
+    if (mr == AVX2_MR && nr == NR && accumulate == COMERA_GEMM_STREAM && rows % 64 == 0) {
+#pragma GCC unroll 6
+        for (int i = 0; i < AVX2_MR; i++) {
+            _mm256_stream_ps(C + i * ldc, c0[i]);
+            _mm256_stream_ps(C + i * ldc + 8, c1[i]);
+        }
+        return;
     }
     if (mr == AVX2_MR && nr == NR) {
 #pragma GCC unroll 6
@@ -196,10 +207,10 @@ static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
 /* Best first: the automatic choice is the first one the CPU runs. */
 static const comera_gemm_variant VARIANTS[] = {
 #ifdef COMERA_X86_VARIANTS
-    {"avx512", AVX512_MR, 2 * NR, tile_avx512},
-    {"avx2", AVX2_MR, NR, tile_avx2},
+    {"avx512", AVX512_MR, 2 * NR, tile_avx512, NULL},
+    {"avx2", AVX2_MR, NR, tile_avx2, comera_dot_avx2_f32},
 #endif
-    {"generic", GENERIC_MR, NR, tile_generic},
+    {"generic", GENERIC_MR, NR, tile_generic, NULL},
 };
 #define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 

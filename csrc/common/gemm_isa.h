@@ -13,12 +13,20 @@ typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t 
                                 const float *Bp, float *C, int64_t ldc, int mr, int nr,
                                 int accumulate);
 
+typedef void (*comera_dot_f32)(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                               const float *Bt, int64_t ldb, float *C, int64_t ldc);
+
 typedef struct comera_gemm_variant {
     const char *name; /* "avx512", "avx2" or "generic" */
     int mr;           /* rows of A per tile */
     int nr;           /* columns per tile: a multiple of COMERA_GEMM_NR */
     comera_tile_f32 tile;
+    comera_dot_f32 dot; /* common/gemm_dot.c, or NULL: a plain loop, never chosen */
 } comera_gemm_variant;
+
+/* The AVX2 dot-product kernel (common/gemm_dot.c). */
+void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc);
 
 /* Orders streaming stores (COMERA_GEMM_STREAM) before what follows. */
 void comera_gemm_store_fence(void);

@@ -105,12 +105,15 @@ static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
 
 /* One row block of the merge forward: T = x V, then y = [T | 1] [U; bias],
  * the bias folded into the product as one more row of U (no second pass
- * over y).  Te is a rb x (r + 1) scratch; without a bias y = T U. */
-static void FN(fwd_block)(const tt_shape *s, int64_t nr, const REAL *xb, const REAL *Vp,
-                          const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te,
+ * over y).  Te is a rb x (r + 1) scratch; without a bias y = T U.  Vk is V
+ * packed, or V^T (r x in) when dot: a rank where the packed panels would
+ * be mostly padding (comera_gemm_dot_wins). */
+static void FN(fwd_block)(const tt_shape *s, int64_t nr, const REAL *xb, const REAL *Vk,
+                          int dot, const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te,
                           int ymode) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    FN(comera_gemm_packed)(nr, rm, in, xb, in, 1, Vp, tb, rm, 0);
+    if (dot) FN(comera_gemm_dot)(nr, rm, in, xb, in, Vk, in, tb, rm);
+    else FN(comera_gemm_packed)(nr, rm, in, xb, in, 1, Vk, tb, rm, 0);
     if (!has_bias) {
         FN(comera_gemm_packed)(nr, out, rm, tb, rm, 1, Up, yb, out, ymode);
         return;
@@ -141,7 +144,12 @@ static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
     int rc = FN(build_merges)(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        FN(comera_gemm_pack_b)(in, rm, V, rm, 1, Vp);
+        int dot = FN(comera_gemm_dot_wins)(rm);
+        if (dot)
+            for (int64_t c = 0; c < rm; c++)
+                for (int64_t i = 0; i < in; i++) Vp[c * in + i] = V[i * rm + c];
+        else
+            FN(comera_gemm_pack_b)(in, rm, V, rm, 1, Vp);
         if (bias) {
             /* [U; bias]: U's rows are the panel rows 0..rm-1, the bias row rm */
             for (int64_t c = 0; c < rm; c++)
@@ -155,8 +163,8 @@ static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
-            FN(fwd_block)(s, nr, x + r0 * in, Vp, Up, bias != NULL, t + r0 * rm, y + r0 * out,
-                          Te + rb * re * omp_get_thread_num(), ymode);
+            FN(fwd_block)(s, nr, x + r0 * in, Vp, dot, Up, bias != NULL, t + r0 * rm,
+                          y + r0 * out, Te + rb * re * omp_get_thread_num(), ymode);
         }
     }
     comera_ws_release(block, cached);
@@ -179,13 +187,15 @@ typedef struct {
     REAL *Te;  /* rb x (r + 1): [T | 1] */
     REAL *Bp;  /* a dy or x block packed */
     int dxmode; /* how dx is stored (comera_gemm_store_mode) */
+    const REAL *U; /* when not NULL: S by the dot kernel from U (r x out) */
 } FN(bwd_ws);
 
 static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL *xb,
                           const REAL *tb, const REAL *UTp, const REAL *VTp, REAL *dxb,
                           const FN(bwd_ws) *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
+    if (w->U) FN(comera_gemm_dot)(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm);
+    else FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
     if (dxb) FN(comera_gemm_packed)(nr, in, rm, w->S, rm, 1, VTp, dxb, in, w->dxmode);
     for (int64_t i = 0; i < nr; i++) {
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
@@ -226,7 +236,8 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int rc = FN(build_merges)(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        FN(comera_gemm_pack_b)(out, rm, U, 1, s->out_pad, UTp);
+        int dot = FN(comera_gemm_dot_wins)(rm);
+        if (!dot) FN(comera_gemm_pack_b)(out, rm, U, 1, s->out_pad, UTp);
         FN(comera_gemm_pack_b)(rm, in, V, 1, rm, VTp);
 #pragma omp parallel num_threads(nt)
         {
@@ -238,6 +249,7 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
             w.Te = w.S + rb * rm;
             w.Bp = w.Te + rb * re;
             w.dxmode = comera_gemm_store_mode(batch * in * (int64_t)sizeof(REAL));
+            w.U = dot ? U : NULL;
             /* stride by the team actually granted: inside another parallel
              * region (or with OMP_DYNAMIC) it may be smaller than nt; unused
              * per-thread sums stay zero */

@@ -117,6 +117,50 @@ static void stream_case(lcg_t *g, int64_t M, int64_t N, int64_t K, int64_t ldc, 
     free(A); free(B); free(Bp); free(C0); free(C1); free(t);
 }
 
+/* comera_gemm_dot_* (C = A Bt^T, both read along K) against the reference,
+ * in strided rows (lda, ldb, ldc wider than K and N), with sentinels after
+ * each row of C: every tile size (1..3 rows, 1..4 columns) and the masked
+ * tail of K % 8 elements. */
+static void dot_case(lcg_t *g, int64_t M, int64_t N, int64_t K) {
+    int64_t lda = K + 5, ldb = K + 3, ldc = N + 2;
+    int64_t na = M * lda + 1, nb = N * ldb + 1, nc = M * ldc + 1;
+    double *A = dalloc(na), *Bt = dalloc(nb), *R = dalloc(nc), *absR = dalloc(nc), *out = dalloc(nc);
+    float *Af = falloc(na), *Bf = falloc(nb), *Cf = falloc(nc);
+    fill_uniform(g, A, na, -1, 1);
+    fill_uniform(g, Bt, nb, -1, 1);
+    to_float(A, Af, na); to_double(Af, A, na);
+    to_float(Bt, Bf, nb); to_double(Bf, Bt, nb);
+    for (int64_t i = 0; i < nc; i++) R[i] = SENTINEL;
+    /* B (K x N) is Bt read with row stride 1 and column stride ldb */
+    ref_gemm(M, N, K, A, lda, 1, Bt, 1, ldb, R, ldc, 0, absR);
+    for (int type = 0; type < 2; type++) {
+        for (int64_t i = 0; i < nc; i++) out[i] = SENTINEL;
+        if (type == 0) {
+            comera_gemm_dot_f64(M, N, K, A, lda, Bt, ldb, out, ldc);
+        } else {
+            to_float(out, Cf, nc);
+            comera_gemm_dot_f32(M, N, K, Af, lda, Bf, ldb, Cf, ldc);
+            to_double(Cf, out, nc);
+        }
+        double eps = type == 0 ? DBL_EPSILON : FLT_EPSILON;
+        int64_t bad = -1;
+        for (int64_t o = 0; o < nc && bad < 0; o++) {
+            int64_t j = o % ldc;
+            if (j >= N || o / ldc >= M) {
+                if (out[o] != SENTINEL) bad = o;
+                continue;
+            }
+            double tol = 2.0 * (double)(K + 2) * eps * absR[o] + 1e-300;
+            if (!(fabs(out[o] - R[o]) <= tol)) bad = o;
+        }
+        check(bad < 0, "dot %s M=%lld N=%lld K=%lld: first bad (%lld,%lld) got %.9g want %.9g",
+              type == 0 ? "f64" : "f32", (long long)M, (long long)N, (long long)K,
+              bad < 0 ? -1LL : (long long)(bad / ldc), bad < 0 ? -1LL : (long long)(bad % ldc),
+              bad < 0 ? 0.0 : out[bad], bad < 0 ? 0.0 : R[bad]);
+    }
+    free(A); free(Bt); free(R); free(absR); free(out); free(Af); free(Bf); free(Cf);
+}
+
 void test_gemm(void) {
     static const int64_t S[] = {0, 1, 5, 6, 7, 15, 16, 17, 33, 100};
     const int ns = (int)(sizeof S / sizeof S[0]);
@@ -146,6 +190,22 @@ void test_gemm(void) {
         for (int l = 0; l < 9; l += 4)
             for (int acc = 0; acc < 2; acc++)
                 gemm_case(&g, BIG[s][0], BIG[s][1], BIG[s][2], l / 3, l % 3, acc);
+    group_end();
+
+    group_begin("gemm dot products vs naive");
+    static const int64_t DM[] = {1, 2, 3, 4, 7, 48}, DN[] = {1, 2, 3, 4, 5, 8, 10, 13, 20, 64};
+    static const int64_t DK[] = {0, 1, 7, 8, 9, 31, 768};
+    for (int a = 0; a < 6; a++)
+        for (int b = 0; b < 10; b++)
+            for (int c = 0; c < 7; c++) dot_case(&g, DM[a], DN[b], DK[c]);
+    /* the rule follows the variant: the AVX2 one only, where padding wastes
+     * 15% of a 16-column panel */
+    int avx2 = strcmp(comera_gemm_isa(), "avx2") == 0;
+    check(comera_gemm_dot_wins_f32(10) == avx2 && comera_gemm_dot_wins_f32(20) == avx2 &&
+              !comera_gemm_dot_wins_f32(16) && !comera_gemm_dot_wins_f32(30) &&
+              !comera_gemm_dot_wins_f32(100) && !comera_gemm_dot_wins_f64(10),
+          "dot_wins under %s: 10 -> %d, 16 -> %d, 30 -> %d", comera_gemm_isa(),
+          comera_gemm_dot_wins_f32(10), comera_gemm_dot_wins_f32(16), comera_gemm_dot_wins_f32(30));
     group_end();
 
     group_begin("gemm streaming stores equal plain stores");

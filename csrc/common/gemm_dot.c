@@ -1,0 +1,157 @@
+/* C = A Bt^T as dot products along K, for products with a few columns.
+ *
+ * The TT merge path has two products whose output width is the middle TT
+ * rank (T = x V and S = dy U^T: N = r, K = 768..3072).  The packed kernel
+ * computes 16-column panels, so at r = 8 or 10 most of its multiply-adds
+ * fall on padding (measured on a 2-core AVX2 EPYC: 20-23 GFLOP/s of useful
+ * work at r = 10 against 34-36 at r = 30).  Here each output is a dot
+ * product: both operands are read along K in 8-float vectors, every
+ * multiply-add is useful, and the 8 partial sums of an output are added
+ * once at the end.  A tile is 3 rows of A by up to 4 rows of Bt: 12
+ * accumulators, 7 loads per 12 multiply-adds (2 x 5 tiles, 7 loads per
+ * 10, ran at 21-28 GFLOP/s where 3 x 4 ran at 26-33, same machine).
+ */
+#include "common/gemm.h"
+#include "common/gemm_isa.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(COMERA_NO_CLONES)
+#define COMERA_X86_VARIANTS 1
+#include <immintrin.h>
+#endif
+
+static void dot_plain_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                          const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += A[i * lda + k] * Bt[j * ldb + k];
+            C[i * ldc + j] = s;
+        }
+}
+
+#ifdef COMERA_X86_VARIANTS
+__attribute__((target("avx2,fma")))
+static float dot_avx2_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ROWS (1..3) x COLS (1..4) outputs; inlined with constant sizes, so
+ * every caller below is its own fully unrolled tile.  The last K % 8
+ * elements are read with masked loads (nothing past the end is touched). */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, int64_t lda,
+                                 const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+    __m256 acc[3][4];
+#pragma GCC unroll 3
+    for (int i = 0; i < ROWS; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();
+    const float *a1 = A + (ROWS >= 2 ? lda : 0), *a2 = A + (ROWS == 3 ? 2 * lda : 0);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 x0 = _mm256_loadu_ps(A + k), x1 = _mm256_loadu_ps(a1 + k);
+        __m256 x2 = _mm256_loadu_ps(a2 + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) {
+            __m256 b = _mm256_loadu_ps(Bt + j * ldb + k);
+            acc[0][j] = _mm256_fmadd_ps(x0, b, acc[0][j]);
+            if (ROWS >= 2) acc[1][j] = _mm256_fmadd_ps(x1, b, acc[1][j]);
+            if (ROWS == 3) acc[2][j] = _mm256_fmadd_ps(x2, b, acc[2][j]);
+        }
+    }
+    if (k < K) {
+        __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K - k)), lane);
+        __m256 x0 = _mm256_maskload_ps(A + k, m), x1 = _mm256_maskload_ps(a1 + k, m);
+        __m256 x2 = _mm256_maskload_ps(a2 + k, m);
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) {
+            __m256 b = _mm256_maskload_ps(Bt + j * ldb + k, m);
+            acc[0][j] = _mm256_fmadd_ps(x0, b, acc[0][j]);
+            if (ROWS >= 2) acc[1][j] = _mm256_fmadd_ps(x1, b, acc[1][j]);
+            if (ROWS == 3) acc[2][j] = _mm256_fmadd_ps(x2, b, acc[2][j]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < ROWS; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) C[i * ldc + j] = dot_avx2_hsum(acc[i][j]);
+}
+
+/* One instance per tile size, so each is unrolled with constant sizes. */
+__attribute__((target("avx2,fma")))
+static void dot_avx2_rows(int rows, int cols, int64_t K, const float *A, int64_t lda,
+                          const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+    switch (rows * 8 + cols) {
+    case 3 * 8 + 4: dot_avx2_tile(3, 4, K, A, lda, Bt, ldb, C, ldc); return;
+    case 3 * 8 + 3: dot_avx2_tile(3, 3, K, A, lda, Bt, ldb, C, ldc); return;
+    case 3 * 8 + 2: dot_avx2_tile(3, 2, K, A, lda, Bt, ldb, C, ldc); return;
+    case 3 * 8 + 1: dot_avx2_tile(3, 1, K, A, lda, Bt, ldb, C, ldc); return;
+    case 2 * 8 + 4: dot_avx2_tile(2, 4, K, A, lda, Bt, ldb, C, ldc); return;
+    case 2 * 8 + 3: dot_avx2_tile(2, 3, K, A, lda, Bt, ldb, C, ldc); return;
+    case 2 * 8 + 2: dot_avx2_tile(2, 2, K, A, lda, Bt, ldb, C, ldc); return;
+    case 2 * 8 + 1: dot_avx2_tile(2, 1, K, A, lda, Bt, ldb, C, ldc); return;
+    case 1 * 8 + 4: dot_avx2_tile(1, 4, K, A, lda, Bt, ldb, C, ldc); return;
+    case 1 * 8 + 3: dot_avx2_tile(1, 3, K, A, lda, Bt, ldb, C, ldc); return;
+    case 1 * 8 + 2: dot_avx2_tile(1, 2, K, A, lda, Bt, ldb, C, ldc); return;
+    default: dot_avx2_tile(1, 1, K, A, lda, Bt, ldb, C, ldc); return;
+    }
+}
+
+/* Row triples outside, column groups inside: three A rows are read from
+ * memory once and from cache for their other column groups.  Groups of at
+ * most 4 columns, as even as possible (10 = 4 + 3 + 3 rather than
+ * 4 + 4 + 2, whose 2-wide tile has too few independent sums to hide the
+ * multiply-add latency). */
+void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+    int64_t groups = (N + 3) / 4, base = N / groups, extra = N % groups;
+    for (int64_t i = 0; i < M; i += 3) {
+        int rows = M - i >= 3 ? 3 : (int)(M - i);
+        int64_t j = 0;
+        for (int64_t g = 0; g < groups; g++) {
+            int cols = (int)(g < extra ? base + 1 : base);
+            dot_avx2_rows(rows, cols, K, A + i * lda, lda, Bt + j * ldb, ldb,
+                          C + i * ldc + j, ldc);
+            j += cols;
+        }
+    }
+}
+#endif
+
+/* Where the packed tiles would waste 15% or more of their multiply-adds on
+ * padding, up to N = 64.  Measured (AVX2 EPYC, K = 768 and 3072, 4096
+ * rows): N = 8 1.5-1.6x faster, 10 1.2-1.4x, 12 1.1x, 20 1.4x, 24 1.2x,
+ * 40 1.1x, 52 1.1x; N = 14, 30 and 44 even, N = 16 and 64 slower. */
+int comera_gemm_dot_wins_f32(int64_t N) {
+    const comera_gemm_variant *v = comera_gemm_variant_in_use();
+    int64_t padded = (N + v->nr - 1) / v->nr * v->nr;
+    return v->dot != NULL && N > 0 && N <= 64 && N * 100 < 85 * padded;
+}
+
+int comera_gemm_dot_wins_f64(int64_t N) {
+    (void)N;
+    return 0;
+}
+
+void comera_gemm_dot_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+    if (M <= 0 || N <= 0) return;
+    const comera_gemm_variant *v = comera_gemm_variant_in_use();
+    if (v->dot) v->dot(M, N, K, A, lda, Bt, ldb, C, ldc);
+    else dot_plain_f32(M, N, K, A, lda, Bt, ldb, C, ldc);
+}
+
+void comera_gemm_dot_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                         const double *Bt, int64_t ldb, double *C, int64_t ldc) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t j = 0; j < N; j++) {
+            double s = 0.0;
+            for (int64_t k = 0; k < K; k++) s += A[i * lda + k] * Bt[j * ldb + k];
+            C[i * ldc + j] = s;
+        }
+}
