@@ -8,7 +8,8 @@
  *
  *   avx2     6 x 16: 12 ymm accumulators + 2 B vectors + 1 broadcast of 16
  *            registers, enough independent FMAs to cover their latency;
- *            streaming stores as on AVX-512 (a tile row is one whole line).
+ *            4- and 2-row forms for the last rows of a product; streaming
+ *            stores as on AVX-512 (a tile row is one whole line).
  *   avx512  12 x 32: two packed panels at once, two zmm per row, 24
  *            accumulators, so each broadcast of A feeds two FMAs (with one
  *            panel, 12 x 16, the broadcasts alone kept the load ports as
@@ -73,20 +74,23 @@ static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
 
 #ifdef COMERA_X86_VARIANTS
 #define AVX2_MR 6
-__attribute__((target("avx2,fma")))
-static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                      const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                      int accumulate) {
+/* The AVX2 tile for ROWS rows of A: 2 x ROWS ymm accumulators.  Always
+ * inlined with constant ROWS, so each caller below is its own fully
+ * unrolled tile. */
+__attribute__((target("avx2,fma"), always_inline))
+static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, int64_t csa,
+                             const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                             int accumulate) {
     const float *a[AVX2_MR];
-    row_pointers(a, AVX2_MR, A, rsa, mr);
+    row_pointers(a, ROWS, A, rsa, mr);
     __m256 c0[AVX2_MR], c1[AVX2_MR];
 #pragma GCC unroll 6
-    for (int i = 0; i < AVX2_MR; i++) c0[i] = c1[i] = _mm256_setzero_ps();
+    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m256 b0 = _mm256_loadu_ps(Bp + k * NR), b1 = _mm256_loadu_ps(Bp + k * NR + 8);
         int64_t o = k * csa;
 #pragma GCC unroll 6
-        for (int i = 0; i < AVX2_MR; i++) {
+        for (int i = 0; i < ROWS; i++) {
             __m256 s = _mm256_broadcast_ss(a[i] + o);
             c0[i] = _mm256_fmadd_ps(s, b0, c0[i]);
             c1[i] = _mm256_fmadd_ps(s, b1, c1[i]);
@@ -94,17 +98,17 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
     }
     /* a row of the tile is one whole 64-byte line when C and ldc are aligned */
     uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * (int64_t)sizeof(float));
-    if (mr == AVX2_MR && nr == NR && accumulate == COMERA_GEMM_STREAM && rows % 64 == 0) {
+    if (mr == ROWS && nr == NR && accumulate == COMERA_GEMM_STREAM && rows % 64 == 0) {
 #pragma GCC unroll 6
-        for (int i = 0; i < AVX2_MR; i++) {
+        for (int i = 0; i < ROWS; i++) {
             _mm256_stream_ps(C + i * ldc, c0[i]);
             _mm256_stream_ps(C + i * ldc + 8, c1[i]);
         }
         return;
     }
-    if (mr == AVX2_MR && nr == NR) {
+    if (mr == ROWS && nr == NR) {
 #pragma GCC unroll 6
-        for (int i = 0; i < AVX2_MR; i++) {
+        for (int i = 0; i < ROWS; i++) {
             float *c = C + i * ldc;
             if (accumulate == COMERA_GEMM_ADD) {
                 c0[i] = _mm256_add_ps(c0[i], _mm256_loadu_ps(c));
@@ -117,11 +121,23 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
     }
     float tile[AVX2_MR * NR];
 #pragma GCC unroll 6
-    for (int i = 0; i < AVX2_MR; i++) {
+    for (int i = 0; i < ROWS; i++) {
         _mm256_storeu_ps(tile + i * NR, c0[i]);
         _mm256_storeu_ps(tile + i * NR + 8, c1[i]);
     }
     store_partial(tile, NR, mr, nr, C, ldc, accumulate);
+}
+
+/* Up to 6 rows; the last rows of a product run on a 4- or 2-row form (the
+ * weight-gradient products have M = rank or rank + 1 rows: 31 = 5 x 6 + 1,
+ * whose last row would cost a whole 6-row tile). */
+__attribute__((target("avx2,fma")))
+static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
+                      const float *Bp, float *C, int64_t ldc, int mr, int nr,
+                      int accumulate) {
+    if (mr > 4) avx2_rows(6, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+    else if (mr > 2) avx2_rows(4, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+    else avx2_rows(2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
 }
 
 #define AVX512_MR 12

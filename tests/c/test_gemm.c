@@ -192,6 +192,17 @@ void test_gemm(void) {
                 gemm_case(&g, BIG[s][0], BIG[s][1], BIG[s][2], l / 3, l % 3, acc);
     group_end();
 
+    /* every last-row count of the 6- and 12-row tiles (their 2-, 4- and
+     * 8-row forms): M = rank + 1 rows in the weight-gradient products */
+    group_begin("gemm short row tiles");
+    static const int64_t SM[] = {2, 3, 4, 8, 9, 10, 11, 14, 20, 31}, SN[] = {16, 40};
+    static const int64_t SK[] = {1, 9, 48};
+    for (int a = 0; a < 10; a++)
+        for (int b = 0; b < 2; b++)
+            for (int c = 0; c < 3; c++)
+                for (int acc = 0; acc < 2; acc++) gemm_case(&g, SM[a], SN[b], SK[c], 0, (a + c) % 3, acc);
+    group_end();
+
     group_begin("gemm dot products vs naive");
     static const int64_t DM[] = {1, 2, 3, 4, 7, 48}, DN[] = {1, 2, 3, 4, 5, 8, 10, 13, 20, 64};
     static const int64_t DK[] = {0, 1, 7, 8, 9, 31, 768};
