@@ -71,11 +71,14 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
 /* C (M x N, row stride ldc) = A Bt^T, each element a dot product along K:
  * A is M x K and Bt is N x K, both contiguous along K (row strides lda,
  * ldb).  For products only a few columns wide, where most of a 16-column
- * packed panel would be padding. */
+ * packed panel would be padding.  Apack, when not NULL, receives A packed
+ * as comera_gemm_pack_b_*(M, K, A, lda, 1, Apack) would write it, for a
+ * later product that takes A as its B operand (on AVX2, with K a multiple
+ * of 16, as the rows go by: no second pass over A). */
 void comera_gemm_dot_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                         const float *Bt, int64_t ldb, float *C, int64_t ldc);
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
 void comera_gemm_dot_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
-                         const double *Bt, int64_t ldb, double *C, int64_t ldc);
+                         const double *Bt, int64_t ldb, double *C, int64_t ldc, double *Apack);
 
 /* 1 when comera_gemm_dot_* is the faster kernel for an output N columns
  * wide on this CPU's variant (float64: never, its packed loop is the

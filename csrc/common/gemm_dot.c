@@ -41,10 +41,13 @@ static float dot_avx2_hsum(__m256 v) {
 
 /* ROWS (1..3) x COLS (1..4) outputs; inlined with constant sizes, so
  * every caller below is its own fully unrolled tile.  The last K % 8
- * elements are read with masked loads (nothing past the end is touched). */
+ * elements are read with masked loads (nothing past the end is touched).
+ * With Ap (K a multiple of 16), the A rows loaded are also stored there
+ * in 16-column panels `panel` floats apart (the packed-B layout). */
 __attribute__((target("avx2,fma"), always_inline))
 static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, int64_t lda,
-                                 const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+                                 const float *Bt, int64_t ldb, float *C, int64_t ldc,
+                                 float *Ap, int64_t panel) {
     __m256 acc[3][4];
 #pragma GCC unroll 3
     for (int i = 0; i < ROWS; i++)
@@ -55,6 +58,12 @@ static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, 
     for (; k + 8 <= K; k += 8) {
         __m256 x0 = _mm256_loadu_ps(A + k), x1 = _mm256_loadu_ps(a1 + k);
         __m256 x2 = _mm256_loadu_ps(a2 + k);
+        if (Ap) {
+            float *p = Ap + (k >> 4) * panel + (k & 15);
+            _mm256_storeu_ps(p, x0);
+            if (ROWS >= 2) _mm256_storeu_ps(p + 16, x1);
+            if (ROWS == 3) _mm256_storeu_ps(p + 32, x2);
+        }
 #pragma GCC unroll 4
         for (int j = 0; j < COLS; j++) {
             __m256 b = _mm256_loadu_ps(Bt + j * ldb + k);
@@ -85,20 +94,21 @@ static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, 
 /* One instance per tile size, so each is unrolled with constant sizes. */
 __attribute__((target("avx2,fma")))
 static void dot_avx2_rows(int rows, int cols, int64_t K, const float *A, int64_t lda,
-                          const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
+                          int64_t panel) {
     switch (rows * 8 + cols) {
-    case 3 * 8 + 4: dot_avx2_tile(3, 4, K, A, lda, Bt, ldb, C, ldc); return;
-    case 3 * 8 + 3: dot_avx2_tile(3, 3, K, A, lda, Bt, ldb, C, ldc); return;
-    case 3 * 8 + 2: dot_avx2_tile(3, 2, K, A, lda, Bt, ldb, C, ldc); return;
-    case 3 * 8 + 1: dot_avx2_tile(3, 1, K, A, lda, Bt, ldb, C, ldc); return;
-    case 2 * 8 + 4: dot_avx2_tile(2, 4, K, A, lda, Bt, ldb, C, ldc); return;
-    case 2 * 8 + 3: dot_avx2_tile(2, 3, K, A, lda, Bt, ldb, C, ldc); return;
-    case 2 * 8 + 2: dot_avx2_tile(2, 2, K, A, lda, Bt, ldb, C, ldc); return;
-    case 2 * 8 + 1: dot_avx2_tile(2, 1, K, A, lda, Bt, ldb, C, ldc); return;
-    case 1 * 8 + 4: dot_avx2_tile(1, 4, K, A, lda, Bt, ldb, C, ldc); return;
-    case 1 * 8 + 3: dot_avx2_tile(1, 3, K, A, lda, Bt, ldb, C, ldc); return;
-    case 1 * 8 + 2: dot_avx2_tile(1, 2, K, A, lda, Bt, ldb, C, ldc); return;
-    default: dot_avx2_tile(1, 1, K, A, lda, Bt, ldb, C, ldc); return;
+    case 3 * 8 + 4: dot_avx2_tile(3, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 3 * 8 + 3: dot_avx2_tile(3, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 3 * 8 + 2: dot_avx2_tile(3, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 3 * 8 + 1: dot_avx2_tile(3, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 2 * 8 + 4: dot_avx2_tile(2, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 2 * 8 + 3: dot_avx2_tile(2, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 2 * 8 + 2: dot_avx2_tile(2, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 2 * 8 + 1: dot_avx2_tile(2, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 1 * 8 + 4: dot_avx2_tile(1, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 1 * 8 + 3: dot_avx2_tile(1, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    case 1 * 8 + 2: dot_avx2_tile(1, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
+    default: dot_avx2_tile(1, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel); return;
     }
 }
 
@@ -106,20 +116,23 @@ static void dot_avx2_rows(int rows, int cols, int64_t K, const float *A, int64_t
  * memory once and from cache for their other column groups.  Groups of at
  * most 4 columns, as even as possible (10 = 4 + 3 + 3 rather than
  * 4 + 4 + 2, whose 2-wide tile has too few independent sums to hide the
- * multiply-add latency). */
+ * multiply-add latency).  The first group packs A when asked. */
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                         const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
     int64_t groups = (N + 3) / 4, base = N / groups, extra = N % groups;
+    int fuse = Apack && K % 16 == 0;
     for (int64_t i = 0; i < M; i += 3) {
         int rows = M - i >= 3 ? 3 : (int)(M - i);
         int64_t j = 0;
         for (int64_t g = 0; g < groups; g++) {
             int cols = (int)(g < extra ? base + 1 : base);
+            float *ap = fuse && g == 0 ? Apack + i * 16 : NULL;
             dot_avx2_rows(rows, cols, K, A + i * lda, lda, Bt + j * ldb, ldb,
-                          C + i * ldc + j, ldc);
+                          C + i * ldc + j, ldc, ap, 16 * M);
             j += cols;
         }
     }
+    if (Apack && !fuse) comera_gemm_pack_b_f32(M, K, A, lda, 1, Apack);
 }
 #endif
 
@@ -139,19 +152,25 @@ int comera_gemm_dot_wins_f64(int64_t N) {
 }
 
 void comera_gemm_dot_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                         const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
     if (M <= 0 || N <= 0) return;
     const comera_gemm_variant *v = comera_gemm_variant_in_use();
-    if (v->dot) v->dot(M, N, K, A, lda, Bt, ldb, C, ldc);
-    else dot_plain_f32(M, N, K, A, lda, Bt, ldb, C, ldc);
+    if (v->dot) {
+        v->dot(M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
+        return;
+    }
+    dot_plain_f32(M, N, K, A, lda, Bt, ldb, C, ldc);
+    if (Apack) comera_gemm_pack_b_f32(M, K, A, lda, 1, Apack);
 }
 
 void comera_gemm_dot_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
-                         const double *Bt, int64_t ldb, double *C, int64_t ldc) {
+                         const double *Bt, int64_t ldb, double *C, int64_t ldc, double *Apack) {
+    if (M <= 0 || N <= 0) return;
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {
             double s = 0.0;
             for (int64_t k = 0; k < K; k++) s += A[i * lda + k] * Bt[j * ldb + k];
             C[i * ldc + j] = s;
         }
+    if (Apack) comera_gemm_pack_b_f64(M, K, A, lda, 1, Apack);
 }

@@ -14,7 +14,8 @@ typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t 
                                 int accumulate);
 
 typedef void (*comera_dot_f32)(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                               const float *Bt, int64_t ldb, float *C, int64_t ldc);
+                               const float *Bt, int64_t ldb, float *C, int64_t ldc,
+                               float *Apack);
 
 typedef struct comera_gemm_variant {
     const char *name; /* "avx512", "avx2" or "generic" */
@@ -26,7 +27,7 @@ typedef struct comera_gemm_variant {
 
 /* The AVX2 dot-product kernel (common/gemm_dot.c). */
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                         const float *Bt, int64_t ldb, float *C, int64_t ldc);
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
 
 /* Orders streaming stores (COMERA_GEMM_STREAM) before what follows. */
 void comera_gemm_store_fence(void);

@@ -112,7 +112,7 @@ static void FN(fwd_block)(const tt_shape *s, int64_t nr, const REAL *xb, const R
                           int dot, const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te,
                           int ymode) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    if (dot) FN(comera_gemm_dot)(nr, rm, in, xb, in, Vk, in, tb, rm);
+    if (dot) FN(comera_gemm_dot)(nr, rm, in, xb, in, Vk, in, tb, rm, NULL);
     else FN(comera_gemm_packed)(nr, rm, in, xb, in, 1, Vk, tb, rm, 0);
     if (!has_bias) {
         FN(comera_gemm_packed)(nr, out, rm, tb, rm, 1, Up, yb, out, ymode);
@@ -194,14 +194,15 @@ static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const 
                           const REAL *tb, const REAL *UTp, const REAL *VTp, REAL *dxb,
                           const FN(bwd_ws) *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    if (w->U) FN(comera_gemm_dot)(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm);
+    /* the dot kernel packs the dy block for dU as it reads it */
+    if (w->U) FN(comera_gemm_dot)(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm, w->Bp);
     else FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
     if (dxb) FN(comera_gemm_packed)(nr, in, rm, w->S, rm, 1, VTp, dxb, in, w->dxmode);
     for (int64_t i = 0; i < nr; i++) {
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         w->Te[i * re + rm] = 1;
     }
-    FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, w->Bp);
+    if (!w->U) FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, w->Bp);
     FN(comera_gemm_packed)(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
     FN(comera_gemm_pack_b)(nr, in, xb, in, 1, w->Bp);
     FN(comera_gemm_packed)(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);

@@ -135,13 +135,32 @@ static void dot_case(lcg_t *g, int64_t M, int64_t N, int64_t K) {
     ref_gemm(M, N, K, A, lda, 1, Bt, 1, ldb, R, ldc, 0, absR);
     for (int type = 0; type < 2; type++) {
         for (int64_t i = 0; i < nc; i++) out[i] = SENTINEL;
+        /* with and without packing A on the way (compared bit for bit
+         * with comera_gemm_pack_b_* below) */
+        int pack = (int)((M + N + K) % 2);
+        int64_t np = comera_gemm_packed_size(M, K);
+        int same = 1;
         if (type == 0) {
-            comera_gemm_dot_f64(M, N, K, A, lda, Bt, ldb, out, ldc);
+            double *P = pack ? dalloc(np) : NULL, *Q = dalloc(np);
+            comera_gemm_dot_f64(M, N, K, A, lda, Bt, ldb, out, ldc, P);
+            if (P) {
+                comera_gemm_pack_b_f64(M, K, A, lda, 1, Q);
+                same = memcmp(P, Q, sizeof(double) * (size_t)(K > 0 ? np : 0)) == 0;
+            }
+            free(P); free(Q);
         } else {
+            float *P = pack ? falloc(np) : NULL, *Q = falloc(np);
             to_float(out, Cf, nc);
-            comera_gemm_dot_f32(M, N, K, Af, lda, Bf, ldb, Cf, ldc);
+            comera_gemm_dot_f32(M, N, K, Af, lda, Bf, ldb, Cf, ldc, P);
             to_double(Cf, out, nc);
+            if (P) {
+                comera_gemm_pack_b_f32(M, K, Af, lda, 1, Q);
+                same = memcmp(P, Q, sizeof(float) * (size_t)(K > 0 ? np : 0)) == 0;
+            }
+            free(P); free(Q);
         }
+        check(same, "dot %s M=%lld N=%lld K=%lld: packed A differs from pack_b",
+              type == 0 ? "f64" : "f32", (long long)M, (long long)N, (long long)K);
         double eps = type == 0 ? DBL_EPSILON : FLT_EPSILON;
         int64_t bad = -1;
         for (int64_t o = 0; o < nc && bad < 0; o++) {
@@ -205,10 +224,10 @@ void test_gemm(void) {
 
     group_begin("gemm dot products vs naive");
     static const int64_t DM[] = {1, 2, 3, 4, 7, 48}, DN[] = {1, 2, 3, 4, 5, 8, 10, 13, 20, 64};
-    static const int64_t DK[] = {0, 1, 7, 8, 9, 31, 768};
+    static const int64_t DK[] = {0, 1, 7, 8, 9, 16, 31, 48, 768};
     for (int a = 0; a < 6; a++)
         for (int b = 0; b < 10; b++)
-            for (int c = 0; c < 7; c++) dot_case(&g, DM[a], DN[b], DK[c]);
+            for (int c = 0; c < 9; c++) dot_case(&g, DM[a], DN[b], DK[c]);
     /* the rule follows the variant: the AVX2 one only, where padding wastes
      * 15% of a 16-column panel */
     int avx2 = strcmp(comera_gemm_isa(), "avx2") == 0;
