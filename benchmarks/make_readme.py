@@ -93,6 +93,11 @@ SECTIONS = [
     ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path (issue 2)"),
     ("bench_embedding", "TTEmbedding against nn.Embedding (issue 3)"),
     ("prune_cpu", "Pruning: time against FLOPs (issue 4)"),
+    ("heap_kept/prune_cpu", "Pruning with freed memory kept in the heap (glibc tunables, as "
+     "jemalloc or tcmalloc would keep it)",
+     "Not run yet: `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=2147483647:"
+     "glibc.malloc.trim_threshold=4294967295 python benchmarks/bench_prune.py --rows 4096 1024 "
+     "--reps 15 --threads 1 --out benchmarks/results/heap_kept` writes it."),
 ]
 
 
