@@ -27,9 +27,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(COMERA_NO_CLONES)
-#define COMERA_X86_VARIANTS 1
+#ifdef COMERA_X86_VARIANTS
 #include <immintrin.h>
 #endif
 

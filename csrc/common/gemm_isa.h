@@ -9,6 +9,13 @@
 
 #include <stdint.h>
 
+/* The x86 variants (avx512, avx2) are built with GCC or clang on x86-64,
+ * unless COMERA_NO_CLONES asks for the generic one alone. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(COMERA_NO_CLONES)
+#define COMERA_X86_VARIANTS 1
+#endif
+
 typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t csa,
                                 const float *Bp, float *C, int64_t ldc, int mr, int nr,
                                 int accumulate);

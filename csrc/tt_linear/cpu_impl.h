@@ -218,9 +218,12 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int nt = threads_for(nthreads, blocks);
     int64_t per = out * re + in * rm + rb * rm + rb * re +
                   comera_gemm_packed_size(rb, in > out ? in : out);
+    /* S by the dot kernel reads U itself: no packed U^T then */
+    int dot = FN(comera_gemm_dot_wins)(rm);
     /* eff, deff, P, dP, UTp, VTp, per-thread ws: one reused block */
     int64_t n[7] = {s->core_off[s->D], s->core_off[s->D], s->P_off[s->D], s->P_off[s->D],
-                    comera_gemm_packed_size(out, rm), comera_gemm_packed_size(rm, in), per * nt};
+                    dot ? 0 : comera_gemm_packed_size(out, rm), comera_gemm_packed_size(rm, in),
+                    per * nt};
     REAL *part[7];
     int cached = 0;
     REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)FN(carve)(NULL, 7, n, part), &cached);
@@ -237,7 +240,6 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     int rc = FN(build_merges)(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        int dot = FN(comera_gemm_dot_wins)(rm);
         if (!dot) FN(comera_gemm_pack_b)(out, rm, U, 1, s->out_pad, UTp);
         FN(comera_gemm_pack_b)(rm, in, V, 1, rm, VTp);
 #pragma omp parallel num_threads(nt)
