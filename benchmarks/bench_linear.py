@@ -11,11 +11,12 @@ thread count of --threads.  The machine record (CPU, ISA, torch's BLAS,
 sgemm and copy rates measured in the same run) gives each TTLinear case's
 roofline efficiency:
     max(plan flops / sgemm rate, plan bytes / copy bandwidth) / measured time.
-TTLinear is also timed with comera's huge-page advice on its outputs
-switched off (COMERA_HUGE_PAGES=0, per call, same rounds: docs/design.md
-section 5), so the table shows what the advice is worth; nn.Linear and the
-matmul path never get it (run the whole script under
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 to give every method huge pages).
+TTLinear is also timed with comera's output pool switched off
+(COMERA_OUTPUT_POOL=0, per call, same rounds: docs/design.md section 5):
+its large outputs then come from torch's allocator, with the huge-page
+advice; nn.Linear and the matmul path never get either (run the whole
+script under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 to give every method
+huge pages).
 Peak memory is the growth of the process's peak RSS during one forward +
 backward, in a fresh subprocess per case.
 """
@@ -28,7 +29,7 @@ from torch import nn
 
 import comera
 from comera import tt
-from common import (advice_off, routed, keep_freed_memory, peak_memory_subprocess, peak_rss_bytes,
+from common import (pool_off, routed, keep_freed_memory, peak_memory_subprocess, peak_rss_bytes,
                     reset_peak_rss, rss_bytes, write_results)
 from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
@@ -88,7 +89,7 @@ def time_case(in_f, out_f, rank, reps):
     ttl = build("comera.TTLinear", in_f, out_f, rank)
     methods = {"nn.Linear": step_fn(build("nn.Linear", in_f, out_f, 0), x, gy),
                "comera.TTLinear": step_fn(ttl, x, gy),
-               "TTLinear advice off": advice_off(step_fn(ttl, x, gy)),
+               "TTLinear pool off": pool_off(step_fn(ttl, x, gy)),
                "TTLinear routed": routed(step_fn(ttl, x, gy)),
                "matmul merge": step_fn(build("matmul merge", in_f, out_f, rank), x, gy)}
     return ttl, interleaved(methods, reps=reps)
@@ -137,7 +138,7 @@ def main():
                     "plan_bytes": cost["bytes"], "timing": t,
                     "time_dense_s": med["nn.Linear"], "time_tt_s": med["comera.TTLinear"],
                     "time_matmul_merge_s": med["matmul merge"],
-                    "time_tt_no_advice_s": med["TTLinear advice off"],
+                    "time_tt_no_pool_s": med["TTLinear pool off"],
                     "time_tt_routed_s": med["TTLinear routed"],
                     "routed_speedup_vs_matmul_merge": med["matmul merge"] / med["TTLinear routed"],
                     "speedup_vs_dense": med["nn.Linear"] / med["comera.TTLinear"],
@@ -166,19 +167,20 @@ def markdown(payload, args):
           "Wall clock, median of the interleaved repetitions (spread in the JSON); nn.Linear, "
           "TTLinear and the merge path in torch.matmul timed round-robin in one process. Freed "
           "memory stays in the heap for every method (mallopt, as with jemalloc/tcmalloc). "
-          "'advice off': TTLinear without comera's huge-page advice on its outputs, same "
-          "rounds. 'routed': TTLinear with COMERA_ROUTE=auto (opt-in; comera.ops.route), same "
-          "rounds, and where it ran the products: its C kernels or torch's BLAS, as its one-off "
-          "timing in the warm-up found faster. GLIBC_TUNABLES: "
+          "'pool off': TTLinear with its large outputs from torch's allocator (huge-page "
+          "advice) instead of comera's output pool, same rounds. 'routed': TTLinear with "
+          "COMERA_ROUTE=auto (opt-in; comera.ops.route), same rounds, and where it ran the "
+          "products: its C kernels or torch's BLAS, as its one-off timing in the warm-up found "
+          "faster. GLIBC_TUNABLES: "
           f"{payload['glibc_tunables'] or 'unset'}.\n",
-          "| threads | in -> out | rank | path | nn.Linear ms | TTLinear ms | TTLinear ms advice "
+          "| threads | in -> out | rank | path | nn.Linear ms | TTLinear ms | TTLinear ms pool "
           "off | matmul merge ms | x dense | x matmul merge | routed to | routed ms | routed x "
           "matmul merge | roofline eff. | peak MB dense / TT / merge |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["cases"]:
         md.append(f"| {r['threads']} | {r['in']} -> {r['out']} | {r['rank']} | {r['path']} | "
                   f"{r['time_dense_s'] * 1e3:.2f} | {r['time_tt_s'] * 1e3:.2f} | "
-                  f"{r['time_tt_no_advice_s'] * 1e3:.2f} | "
+                  f"{r['time_tt_no_pool_s'] * 1e3:.2f} | "
                   f"{r['time_matmul_merge_s'] * 1e3:.2f} | {r['speedup_vs_dense']:.1f} | "
                   f"{r['speedup_vs_matmul_merge']:.2f} | {r['route']['choice']} | "
                   f"{r['time_tt_routed_s'] * 1e3:.2f} | {r['routed_speedup_vs_matmul_merge']:.2f} | "

@@ -22,14 +22,16 @@ change of machine load hits them alike.  Writes
 benchmarks/results/prune_cpu.json and prune_cpu.md with the machine record
 (which also holds the sgemm and copy rates the roofline uses).
 
-Allocation note: every call allocates y and dx afresh; glibc serves blocks
-this large with mmap, so each call also pays first-touch page faults on
-them, whatever the rank.  comera asks for transparent huge pages on its
-large outputs (docs/design.md section 5); the full and pruned layers are also
-timed with that advice off (COMERA_HUGE_PAGES=0, switched per call),
-interleaved with the rest, so the table gives the before/after of the advice.
-The floor is measured both ways too: torch.empty + fill as is, and with the
-same madvise (Linux).  The table records which MALLOC_* / GLIBC_TUNABLES
+Allocation note: every call returns a fresh y and dx.  From torch's
+allocator, glibc serves blocks this large with mmap, so each call would pay
+first-touch page faults on them, whatever the rank; comera hands its large
+outputs out of its own pool of reused blocks instead (docs/design.md
+section 5).  The full and pruned layers are also timed with the pool off
+(COMERA_OUTPUT_POOL=0, switched per call: outputs from torch's allocator,
+with comera's huge-page advice), interleaved with the rest, so the table
+gives the before/after of the pool.  The floor (allocating and writing y
+and dx as torch does) is measured as is and with the huge-page advice
+(Linux).  The table records which MALLOC_* / GLIBC_TUNABLES
 settings a run had.
 """
 import argparse
@@ -41,7 +43,7 @@ import sys
 import torch
 
 import comera
-from common import advice_off, write_results
+from common import pool_off, write_results
 from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
 
 
@@ -105,8 +107,8 @@ def time_row(rows, rank, live, reps, flops_rate, bw):
     gy = torch.randn(rows, 3072)
     methods = {"full": step_fn(layer, x, gy), "masked": step_fn(masked, x, gy),
                "pruned": step_fn(pruned, x, gy),
-               "full_advice_off": advice_off(step_fn(layer, x, gy)),
-               "pruned_advice_off": advice_off(step_fn(pruned, x, gy)),
+               "full_pool_off": pool_off(step_fn(layer, x, gy)),
+               "pruned_pool_off": pool_off(step_fn(pruned, x, gy)),
                "floor": output_floor_fn(rows, 768, 3072)}
     advise = _madvise_huge()
     if advise is not None:
@@ -119,14 +121,14 @@ def time_row(rows, rank, live, reps, flops_rate, bw):
     return {
         "rows": rows, "full": full, "masked_time_s": med["masked"], "pruned": pr,
         "output_floor_s": med["floor"], "timing": t,
-        # the layers' outputs get the huge-page advice, so their floor is the advised one
+        # the advised floor: what the layers' outputs cost without the pool
         "above_floor_ratio": (full["time_s"] - floor) / max(pr["time_s"] - floor, 1e-9),
         "time_ratio": full["time_s"] / pr["time_s"],
         "flop_ratio": full["flops"] / pr["flops"],
         "roofline_ratio": full["roofline_s"] / pr["roofline_s"],
         "masked_over_pruned": med["masked"] / pr["time_s"],
-        "advice_off": {"full_s": med["full_advice_off"], "pruned_s": med["pruned_advice_off"],
-                       "time_ratio": med["full_advice_off"] / med["pruned_advice_off"]},
+        "pool_off": {"full_s": med["full_pool_off"], "pruned_s": med["pruned_pool_off"],
+                     "time_ratio": med["full_pool_off"] / med["pruned_pool_off"]},
         "output_floor_huge_s": med.get("floor_huge"),
     }
 
@@ -155,8 +157,8 @@ def main(argv=None):
               f"{pruned['time_s'] * 1e3:.1f} ms (masked {case['masked_time_s'] * 1e3:.1f} ms): time "
               f"{case['time_ratio']:.2f}x (above the {floor_s * 1e3:.1f} ms output floor "
               f"{case['above_floor_ratio']:.2f}x), FLOPs {case['flop_ratio']:.2f}x, roofline "
-              f"{case['roofline_ratio']:.2f}x; huge-page advice off: "
-              f"{case['advice_off']['time_ratio']:.2f}x", flush=True)
+              f"{case['roofline_ratio']:.2f}x; output pool off: "
+              f"{case['pool_off']['time_ratio']:.2f}x", flush=True)
     finish_record(machine)
     payload = {"machine": machine, "dtype": "float32", "layer": "TTLinear(768, 3072)",
                "rank": args.rank, "live_rank": args.live, "clock": "wall", "interleaved": True,
@@ -175,12 +177,13 @@ def markdown(payload, args):
           "(no pruning). Ratios are full / pruned (of the medians); roofline = max(plan flops / "
           "sgemm, plan bytes / copy); floor = allocating and writing y and dx alone (as torch does, "
           "and with comera's huge-page advice), and the ratio of the times above the advised "
-          "floor; advice off: the same layers with comera's huge-page advice switched off "
-          "(COMERA_HUGE_PAGES=0). glibc malloc settings: "
+          "floor; pool off: the same layers with comera's output pool switched off "
+          "(COMERA_OUTPUT_POOL=0: outputs from torch's allocator, with the huge-page advice). "
+          "glibc malloc settings: "
           f"{' '.join(f'{k}={v}' for k, v in malloc_env.items()) or 'defaults'}.\n",
           "| rows | ranks | path | ms [IQR] | masked ms | pruned ranks | path | pruned ms [IQR] | "
           "time ratio | FLOP ratio | roofline ratio | floor ms | ratio above floor | masked / pruned | "
-          "advice off: ms, pruned ms, ratio | floor ms with advice |",
+          "pool off: ms, pruned ms, ratio | floor ms with advice |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in payload["cases"]:
         f, p, t = c["full"], c["pruned"], c["timing"]
@@ -190,8 +193,8 @@ def markdown(payload, args):
                   f"[{t['pruned']['wall']['iqr'] * 1e3:.1f}] | {c['time_ratio']:.2f}x | "
                   f"{c['flop_ratio']:.2f}x | {c['roofline_ratio']:.2f}x | "
                   f"{c['output_floor_s'] * 1e3:.1f} | {c['above_floor_ratio']:.2f}x | "
-                  f"{c['masked_over_pruned']:.2f}x | {c['advice_off']['full_s'] * 1e3:.1f}, "
-                  f"{c['advice_off']['pruned_s'] * 1e3:.1f}, {c['advice_off']['time_ratio']:.2f}x | "
+                  f"{c['masked_over_pruned']:.2f}x | {c['pool_off']['full_s'] * 1e3:.1f}, "
+                  f"{c['pool_off']['pruned_s'] * 1e3:.1f}, {c['pool_off']['time_ratio']:.2f}x | "
                   + (f"{c['output_floor_huge_s'] * 1e3:.1f} |" if c["output_floor_huge_s"] else "- |"))
     env = "".join(f"{k}={v} " for k, v in malloc_env.items())
     md.append(f"\nReproduce: `{env}python benchmarks/bench_prune.py --rows "

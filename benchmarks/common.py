@@ -36,9 +36,11 @@ def with_env(fn, name, value):
     return run
 
 
-def advice_off(fn):
-    """fn with comera's huge-page advice switched off for the call."""
-    return with_env(fn, "COMERA_HUGE_PAGES", "0")
+def pool_off(fn):
+    """fn with comera's output pool switched off for the call: its large
+    outputs come from torch's allocator (with the huge-page advice), as
+    before the pool."""
+    return with_env(fn, "COMERA_OUTPUT_POOL", "0")
 
 
 def routed(fn):

@@ -20,9 +20,11 @@ from comera.rank_adaptive import RankAdaptive
 from comera.summary import compression, summary
 from comera.convert import convert, to_dense
 from comera.persistence import load, load_state_dict, save
+from comera.output_pool import output_pool
 from comera.hf_pretrained import from_pretrained  # imports transformers only when called
 
 __version__ = "0.1.0"
 __all__ = ["TTLinear", "TTEmbedding", "RankAdaptive", "prune", "summary", "compression",
            "load_state_dict", "ops"]
-__all__ += ["convert", "to_dense", "save", "load", "from_pretrained", "cuda_kernels"]
+__all__ += ["convert", "to_dense", "save", "load", "from_pretrained", "cuda_kernels",
+            "output_pool"]

@@ -7,13 +7,24 @@
 #include <torch/csrc/stable/library.h>
 
 #include <string>
+#include <vector>
 
 #include "common/gemm.h"
+#include "common/outpool.h"
 
 namespace {
 // The float32 micro-kernel variant of the C kernels ("avx512", "avx2",
 // "generic"): chosen once per process, COMERA_ISA forces one.
 std::string cpu_isa() { return comera_gemm_isa(); }
+
+// [idle bytes, bytes in use, bytes freed] of the output pool
+// (common/outpool.h); release frees the idle blocks first.
+std::vector<int64_t> output_pool(bool release) {
+    int64_t freed = release ? static_cast<int64_t>(comera_outpool_release()) : 0;
+    size_t idle = 0, busy = 0;
+    comera_outpool_stats(&idle, &busy);
+    return {static_cast<int64_t>(idle), static_cast<int64_t>(busy), freed};
+}
 }  // namespace
 
 STABLE_TORCH_LIBRARY(comera, m) {
@@ -62,11 +73,14 @@ STABLE_TORCH_LIBRARY(comera, m) {
 
     // --- the C kernels' micro-kernel variant (docs/design.md section 5) ---
     m.def("cpu_isa() -> str");
+    // --- the cache of large CPU output blocks (docs/design.md section 5) ---
+    m.def("output_pool(bool release) -> int[]");
 }
 
 // No tensor arguments: one implementation for every device.
 STABLE_TORCH_LIBRARY_IMPL(comera, CompositeExplicitAutograd, m) {
     m.impl("cpu_isa", TORCH_BOX(&cpu_isa));
+    m.impl("output_pool", TORCH_BOX(&output_pool));
 }
 
 // An empty Python module: importing comera._C loads this shared library,

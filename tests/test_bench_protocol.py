@@ -101,11 +101,11 @@ def test_bench_prune_interleaved_rows(tmp_path):
     import bench_prune
     p = bench_prune.main(["--rows", "64", "--reps", "3", "--threads", "1", "--out", str(tmp_path)])
     case = p["cases"][0]
-    expected = {"full", "masked", "pruned", "floor", "full_advice_off", "pruned_advice_off"}
+    expected = {"full", "masked", "pruned", "floor", "full_pool_off", "pruned_pool_off"}
     if sys.platform.startswith("linux"):
         expected.add("floor_huge")
     assert set(case["timing"]) == expected
-    assert case["advice_off"]["time_ratio"] > 0
+    assert case["pool_off"]["time_ratio"] > 0
     assert all(t["wall"]["reps"] == 3 for t in case["timing"].values())
     assert case["pruned"]["ranks"] == [8, 10, 10, 10, 10] and case["flop_ratio"] > 1.0
     assert p["machine"]["threads"] == 1 and "Machine:" in (tmp_path / "prune_cpu.md").read_text()

@@ -15,12 +15,16 @@ import comera
 
 @pytest.fixture
 def advice_env():
-    saved = os.environ.get("COMERA_HUGE_PAGES")
+    # the advice is for outputs from torch's allocator: with the output pool
+    # on, a repeated call reuses an already mapped block (tests/test_output_pool.py)
+    saved = {k: os.environ.get(k) for k in ("COMERA_HUGE_PAGES", "COMERA_OUTPUT_POOL")}
+    os.environ["COMERA_OUTPUT_POOL"] = "0"
     yield
-    if saved is None:
-        os.environ.pop("COMERA_HUGE_PAGES", None)
-    else:
-        os.environ["COMERA_HUGE_PAGES"] = saved
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _thp_mode():

@@ -42,6 +42,7 @@
 #pragma pop_macro("TORCH_TARGET_VERSION")
 
 #include "comera/status.h"
+#include "common/outpool.h"
 #include "common/pages.h"
 
 #ifdef COMERA_WITH_CUDA
@@ -210,9 +211,29 @@ inline int32_t shim_dtype(ScalarType t) {
     }
 }
 
-// A fresh contiguous tensor (an output) from torch's allocator, through the
-// stable C shim's aoti_torch_empty_strided: one direct call into
-// at::empty_strided.  (torch::stable::empty goes through the boxed
+// A CPU tensor over a block of the output pool (common/outpool.h) whose
+// storage gives the block back when it dies.  Such a storage cannot be
+// resized (resize_ to more elements raises); everything else is a tensor.
+inline void give_back_block(void *data, void *) { comera_outpool_give(data); }
+
+inline Tensor pooled_tensor(void *block, size_t ndim, const int64_t *sizes,
+                            const int64_t *strides, ScalarType dtype) {
+    AtenTensorHandle out = nullptr;
+    AOTITorchError err = torch_from_blob(block, static_cast<int64_t>(ndim), sizes, strides, 0,
+                                         shim_dtype(dtype), aoti_torch_device_type_cpu(), -1,
+                                         &out, aoti_torch_layout_strided(), nullptr, 0,
+                                         &give_back_block, nullptr);
+    if (err != AOTI_TORCH_SUCCESS) {
+        comera_outpool_give(block);
+        STABLE_TORCH_ERROR_CODE_CHECK(err);
+    }
+    return Tensor(out);
+}
+
+// A fresh contiguous tensor (an output): a large CPU one from the output
+// pool (its block reused across calls, already mapped), else from torch's
+// allocator through the stable C shim's aoti_torch_empty_strided: one direct
+// call into at::empty_strided.  (torch::stable::empty goes through the boxed
 // dispatcher by op name, a lookup and a stack per call: measurably slower
 // for one-row calls.)  A large CPU one gets the huge-page advice before the
 // kernel's first write (common/pages.h: a fresh 48 MB y otherwise costs
@@ -227,18 +248,23 @@ inline Tensor empty(IntHeaderOnlyArrayRef sizes, ScalarType dtype, const Device 
         strides[i] = stride;
         stride *= sizes[i] > 1 ? sizes[i] : 1;
     }
+    const bool cpu = device.type() == torch::headeronly::DeviceType::CPU;
+    uint64_t bytes = 0;
+    if (cpu) {
+        bytes = aoti_torch_dtype_element_size(shim_dtype(dtype));
+        for (size_t i = 0; i < ndim; i++) bytes *= static_cast<uint64_t>(sizes[i]);
+        if (bytes >= COMERA_OUTPOOL_MIN_BYTES)
+            if (void *block = comera_outpool_take(static_cast<size_t>(bytes)))
+                return pooled_tensor(block, ndim, sizes.data(), strides, dtype);
+    }
     AtenTensorHandle out = nullptr;
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
         static_cast<int64_t>(ndim), sizes.data(), strides, shim_dtype(dtype),
         is_cuda(device) ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
         is_cuda(device) ? static_cast<int32_t>(device.index()) : 0, &out));
     Tensor t(out);
-    if (!is_cuda(device)) {
-        uint64_t bytes = aoti_torch_dtype_element_size(shim_dtype(dtype));
-        for (size_t i = 0; i < ndim; i++) bytes *= static_cast<uint64_t>(sizes[i]);
-        if (bytes >= COMERA_HUGE_ADVICE_MIN_BYTES)  // spares small outputs the data_ptr call
-            comera_advise_huge_pages(t.data_ptr(), static_cast<size_t>(bytes));
-    }
+    if (cpu && bytes >= COMERA_HUGE_ADVICE_MIN_BYTES)  // spares small outputs the data_ptr call
+        comera_advise_huge_pages(t.data_ptr(), static_cast<size_t>(bytes));
     return t;
 }
 

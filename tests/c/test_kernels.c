@@ -376,6 +376,7 @@ static void test_nested(void) {
 void test_check_and_plan(void); /* test_check.c */
 void test_gate_prox(void);      /* test_rank_adaptive.c */
 void test_pages(void);          /* test_pages.c */
+void test_outpool(void);        /* test_outpool.c */
 
 int main(void) {
     int guard = isa_guard("test_kernels");
@@ -387,6 +388,7 @@ int main(void) {
     test_nested();
     test_gate_prox();
     test_pages();
+    test_outpool();
     printf("%d passed, %d failed\n", total_passed(), total_failed());
     return total_failed() ? 1 : 0;
 }
