@@ -303,6 +303,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
+    int direct = !bag && dim == dp; /* grad_out rows are the rows' gradients */
     /* per thread: states, dR accumulators, the row gradient, a packing
      * buffer.  Thread 0 accumulates the gated-core gradients straight into
      * dcores, the others into private copies (priv) added on in thread
@@ -355,9 +356,18 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                 for (int k = d - 2; k >= l; k--)
                     FN(emb_flush)(&ctx, prev, k);
             FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 2, NULL);
+            /* a row at one position of a plain lookup: its gradient is that
+             * row of grad_out, read in place (no copy into g) */
+            int64_t j0 = rows.start[u], j1 = rows.start[u + 1];
+            if (direct && j1 - j0 == 1) {
+                if (j1 < rows.start[u1]) FN(prefetch_row)(grad_out + rows.pos[j1] * dim, dim, 0);
+                FN(emb_level_bwd)(&ctx, idx, d - 1, grad_out + rows.pos[j0] * dim);
+                memcpy(prev, idx, sizeof idx);
+                continue;
+            }
             /* the row's gradient, summed over its positions in order */
             memset(g, 0, sizeof(REAL) * (size_t)dp);
-            for (int64_t j = rows.start[u]; j < rows.start[u + 1]; j++) {
+            for (int64_t j = j0; j < j1; j++) {
                 int64_t p = rows.pos[j];
                 const REAL *src = grad_out + (bag ? bag_of[p] : p) * dim;
                 REAL w = bag ? scale[p] : (REAL)1;
