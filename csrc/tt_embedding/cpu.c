@@ -34,6 +34,31 @@ static int first_diff(int d, const int64_t *a, const int64_t *b) {
     return l;
 }
 
+/* Flags of the core slices a small batch's rows read (used[off_k + i] for
+ * slice i of core k, off_k the slices of the cores before k), or NULL: pack
+ * every slice.  A batch of fewer rows than twice the largest mode reads few
+ * slices, and packing only those keeps a one-index call from packing whole
+ * cores; a larger batch reads nearly all of them and skips the marking. */
+static unsigned char *used_slices(const emb_shape *s, const emb_rows *rows) {
+    int64_t total = 0, vmax = 0;
+    for (int k = 0; k < s->d; k++) {
+        total += s->v[k];
+        if (s->v[k] > vmax) vmax = s->v[k];
+    }
+    if (rows->count >= 2 * vmax) return NULL;
+    unsigned char *used = calloc((size_t)total, 1);
+    if (!used) return NULL; /* packing everything is still right */
+    for (int64_t u = 0; u < rows->count; u++) {
+        int64_t idx[COMERA_MAX_CORES], off = 0;
+        unravel(s, rows->keys[u], idx);
+        for (int k = 0; k < s->d; k++) {
+            used[off + idx[k]] = 1;
+            off += s->v[k];
+        }
+    }
+    return used;
+}
+
 #define REAL float
 #define FN(name) name##_f32
 #include "tt_embedding/cpu_impl.h"

@@ -39,15 +39,18 @@ static void FN(emb_finish_grads)(const emb_shape *s, const REAL *const *cores,
     }
 }
 
-/* Packs every gated slice C_k[:, i] of cores 1..d-1 once per call, so the
+/* Packs the gated slices C_k[:, i] of cores 1..d-1 once per call (those
+ * flagged in `used`, or all when it is NULL: see used_slices), so the
  * per-row products run on the micro-kernel without packing: pf as the
  * forward B operand (r[k] x e[k] r[k+1]), pb (if not NULL) transposed for
  * the backward.  Returns COMERA_ERR_NOMEM if a scratch slice cannot be
  * allocated. */
 static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL *const *gates,
-                        REAL *pf, REAL *pb, int nthreads) {
+                        const unsigned char *used, REAL *pf, REAL *pb, int nthreads) {
     int rc = COMERA_OK;
-    for (int k = 1; k < s->d; k++) {
+    int64_t used_off = s->v[0];
+    for (int k = 1; k < s->d; used_off += s->v[k], k++) {
+        const unsigned char *use = used ? used + used_off : NULL;
         int64_t K = s->r[k], rr = s->r[k + 1], N = s->e[k] * rr, rs = s->v[k] * N;
         const REAL *core = cores[k], *g = k < s->d - 1 ? gates[k] : NULL;
         int nt = threads_for(nthreads, s->v[k], (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0)));
@@ -60,7 +63,7 @@ static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL
             }
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < s->v[k]; i++) {
-                if (!slice) continue;
+                if (!slice || (use && !use[i])) continue;
                 for (int64_t a = 0; a < K; a++) {
                     const REAL *src = core + a * rs + i * N;
                     REAL *dst = slice + a * N;
@@ -202,6 +205,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
+    unsigned char *slice_used = NULL; /* the slices to pack (NULL: all) */
     int cached = 0;
     REAL *pf = comera_ws_acquire(sizeof(REAL) * (size_t)(s->pf_off[d] + 1), &cached);
     REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
@@ -212,7 +216,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         goto done;
     }
     FN(emb_gated_core0)(s, cores, gates, eff);
-    rc = FN(emb_pack)(s, cores, gates, pf, NULL, nthreads);
+    slice_used = used_slices(s, &rows);
+    rc = FN(emb_pack)(s, cores, gates, slice_used, pf, NULL, nthreads);
     if (rc) goto done;
     if (!bag && s->padding_idx >= 0)
         for (int64_t p = 0; p < b->n; p++)
@@ -271,7 +276,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     }
 done:
     if (pf) comera_ws_release(pf, cached);
-    free(eff); free(ws); free(rowbuf); free(uid);
+    free(eff); free(slice_used); free(ws); free(rowbuf); free(uid);
     comera_emb_rows_free(&rows);
     return rc;
 }
@@ -311,6 +316,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 1) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
+    unsigned char *slice_used = NULL; /* the slices to pack (NULL: all) */
     /* packed slices and the private gradient copies share one reused block */
     int cached = 0;
     int64_t npriv = nc * (nt - 1);
@@ -329,7 +335,8 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     for (int k = 0; k < d; k++)
         memset(dcores[k], 0, sizeof(REAL) * (size_t)(s->core_off[k + 1] - s->core_off[k]));
     FN(emb_gated_core0)(s, cores, gates, eff);
-    rc = FN(emb_pack)(s, cores, gates, pf, pb, nthreads);
+    slice_used = used_slices(s, &rows);
+    rc = FN(emb_pack)(s, cores, gates, slice_used, pf, pb, nthreads);
     if (rc) goto done;
     if (bag) FN(emb_bag_scales)(s, b, psw, bag_of, scale);
 #pragma omp parallel num_threads(nt)
@@ -396,7 +403,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     FN(emb_finish_grads)(s, cores, gates, dcores, dgates);
 done:
     if (pf) comera_ws_release(pf, cached);
-    free(eff); free(ws); free(bag_of); free(scale);
+    free(eff); free(slice_used); free(ws); free(bag_of); free(scale);
     comera_emb_rows_free(&rows);
     return rc;
 }
