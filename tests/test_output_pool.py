@@ -125,6 +125,11 @@ def test_pooled_tensor_is_a_tensor(pool_env, tmp_path):
     assert torch.equal(torch.load(tmp_path / "y.pt"), kept)
     y.mul_(2).add_(1)  # in place
     assert torch.equal(y, kept * 2 + 1)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        y.resize_(2 * BIG[0], BIG[1])  # the one difference: the storage cannot grow
+    y.resize_(BIG[0] // 2, BIG[1])  # shrinking keeps the storage
+    assert torch.equal(y, (kept * 2 + 1)[: BIG[0] // 2])
+    y.resize_(*BIG)
     y.share_memory_()  # moves the data to shared memory, gives the block back
     assert y.is_shared() and torch.equal(y, kept * 2 + 1)
     assert comera.output_pool()["in_use"] == 0
