@@ -14,17 +14,12 @@ import comera
 
 
 @pytest.fixture
-def advice_env():
+def advice_env(monkeypatch):
     # the advice is for outputs from torch's allocator: with the output pool
-    # on, a repeated call reuses an already mapped block (tests/test_output_pool.py)
-    saved = {k: os.environ.get(k) for k in ("COMERA_HUGE_PAGES", "COMERA_OUTPUT_POOL")}
-    os.environ["COMERA_OUTPUT_POOL"] = "0"
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    # on, a repeated call reuses an already mapped block (tests/test_output_pool.py);
+    # monkeypatch puts both variables back after the test
+    monkeypatch.setenv("COMERA_OUTPUT_POOL", "0")
+    monkeypatch.delenv("COMERA_HUGE_PAGES", raising=False)
 
 
 def _thp_mode():

@@ -16,16 +16,12 @@ BIG = (1024, 3072)  # 12 MB float32: over the 4 MB threshold
 
 
 @pytest.fixture
-def pool_env():
-    keys = ("COMERA_OUTPUT_POOL", "COMERA_OUTPUT_POOL_MB")
-    saved = {k: os.environ.pop(k, None) for k in keys}
+def pool_env(monkeypatch):
+    # the tests switch these directly; monkeypatch restores them afterwards
+    monkeypatch.delenv("COMERA_OUTPUT_POOL", raising=False)
+    monkeypatch.delenv("COMERA_OUTPUT_POOL_MB", raising=False)
     comera.output_pool(release=True)
     yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
     comera.output_pool(release=True)
 
 
