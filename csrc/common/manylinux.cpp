@@ -14,7 +14,7 @@
 //    is anyway in a torch process (`import torch` starts threads; measured).
 // The exports map (csrc/exports.map) keeps all of these local to each
 // module, so the dynamic linker never sees them.  (pthread_once, the fourth,
-// is avoided in common/gemm_isa.c.)
+// is avoided in common/gemm_isa.c and common/outpool.c.)
 #include <new>
 #include <sstream>
 

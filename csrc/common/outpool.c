@@ -26,13 +26,17 @@ typedef struct {
 static pool_entry table[ENTRIES];
 static uint64_t ticks;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
 /* A fork while another thread holds the lock would leave the child's copy
- * locked forever (DataLoader workers fork): hold it across the fork. */
+ * locked forever (DataLoader workers fork): hold it across the fork.  The
+ * handlers are registered when the library loads (a constructor, not
+ * pthread_once, whose glibc 2.34 symbol the manylinux_2_28 wheel cannot
+ * reference). */
 static void lock_pool(void) { pthread_mutex_lock(&lock); }
 static void unlock_pool(void) { pthread_mutex_unlock(&lock); }
-static void register_fork_handlers(void) { pthread_atfork(lock_pool, unlock_pool, unlock_pool); }
+__attribute__((constructor)) static void register_fork_handlers(void) {
+    pthread_atfork(lock_pool, unlock_pool, unlock_pool);
+}
 
 /* COMERA_OUTPUT_POOL=0 turns the pool off; read per call, as the huge-page
  * switch, so one process can time both settings interleaved. */
@@ -91,7 +95,6 @@ static int unused_entry(void) {
 void *comera_outpool_take(size_t bytes) {
     if (bytes < COMERA_OUTPOOL_MIN_BYTES || !pool_enabled()) return NULL;
     if (bytes > SIZE_MAX - BLOCK_ALIGN) return NULL;
-    pthread_once(&fork_once, register_fork_handlers);
     size_t want = (bytes + BLOCK_ALIGN - 1) / BLOCK_ALIGN * BLOCK_ALIGN;
     void *block = NULL;
     lock_pool();
