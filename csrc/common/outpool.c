@@ -86,6 +86,14 @@ static int best_fit(size_t want) {
     return pick;
 }
 
+/* Bytes of the idle blocks (busy == 0) or of those in use (busy == 1). */
+static size_t held_bytes(int busy) {
+    size_t sum = 0;
+    for (int i = 0; i < ENTRIES; i++)
+        if (table[i].block && table[i].busy == busy) sum += table[i].bytes;
+    return sum;
+}
+
 static int unused_entry(void) {
     for (int i = 0; i < ENTRIES; i++)
         if (!table[i].block) return i;
@@ -131,9 +139,7 @@ void comera_outpool_give(void *block) {
     }
     table[found].busy = 0;
     table[found].last = ++ticks;
-    size_t idle = 0;
-    for (int i = 0; i < ENTRIES; i++)
-        if (table[i].block && !table[i].busy) idle += table[i].bytes;
+    size_t idle = held_bytes(0);
     while (idle > cap) idle -= drop_entry(oldest_idle());
     unlock_pool();
 }
@@ -148,13 +154,8 @@ size_t comera_outpool_release(void) {
 }
 
 void comera_outpool_stats(size_t *idle_bytes, size_t *busy_bytes) {
-    size_t idle = 0, busy = 0;
     lock_pool();
-    for (int i = 0; i < ENTRIES; i++) {
-        if (!table[i].block) continue;
-        if (table[i].busy) busy += table[i].bytes;
-        else idle += table[i].bytes;
-    }
+    size_t idle = held_bytes(0), busy = held_bytes(1);
     unlock_pool();
     if (idle_bytes) *idle_bytes = idle;
     if (busy_bytes) *busy_bytes = busy;

@@ -363,31 +363,31 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                 for (int k = d - 2; k >= l; k--)
                     FN(emb_flush)(&ctx, prev, k);
             FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 2, NULL);
-            /* a row at one position of a plain lookup: its gradient is that
-             * row of grad_out, read in place (no copy into g) */
+            /* the row's gradient: at one position of a plain lookup that row
+             * of grad_out itself, read in place; else summed over its
+             * positions in order */
             int64_t j0 = rows.start[u], j1 = rows.start[u + 1];
+            const REAL *X = g;
             if (direct && j1 - j0 == 1) {
                 if (j1 < rows.start[u1]) FN(prefetch_row)(grad_out + rows.pos[j1] * dim, dim, 0);
-                FN(emb_level_bwd)(&ctx, idx, d - 1, grad_out + rows.pos[j0] * dim);
-                memcpy(prev, idx, sizeof idx);
-                continue;
-            }
-            /* the row's gradient, summed over its positions in order */
-            memset(g, 0, sizeof(REAL) * (size_t)dp);
-            for (int64_t j = j0; j < j1; j++) {
-                int64_t p = rows.pos[j];
-                const REAL *src = grad_out + (bag ? bag_of[p] : p) * dim;
-                REAL w = bag ? scale[p] : (REAL)1;
-                /* positions are in no order, so no hardware prefetcher
-                 * follows them: fetch the next row while this one sums
-                 * (measured: the loads of this loop were its time) */
-                if (j + 1 < rows.start[u1]) {
-                    int64_t q = rows.pos[j + 1];
-                    FN(prefetch_row)(grad_out + (bag ? bag_of[q] : q) * dim, dim, 0);
+                X = grad_out + rows.pos[j0] * dim;
+            } else {
+                memset(g, 0, sizeof(REAL) * (size_t)dp);
+                for (int64_t j = j0; j < j1; j++) {
+                    int64_t p = rows.pos[j];
+                    const REAL *src = grad_out + (bag ? bag_of[p] : p) * dim;
+                    REAL w = bag ? scale[p] : (REAL)1;
+                    /* positions are in no order, so no hardware prefetcher
+                     * follows them: fetch the next row while this one sums
+                     * (measured: the loads of this loop were its time) */
+                    if (j + 1 < rows.start[u1]) {
+                        int64_t q = rows.pos[j + 1];
+                        FN(prefetch_row)(grad_out + (bag ? bag_of[q] : q) * dim, dim, 0);
+                    }
+                    for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
                 }
-                for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
             }
-            FN(emb_level_bwd)(&ctx, idx, d - 1, g);
+            FN(emb_level_bwd)(&ctx, idx, d - 1, X);
             memcpy(prev, idx, sizeof idx);
         }
         if (u1 > u0)
