@@ -94,6 +94,7 @@ typedef struct FN(emb_ctx) {
     REAL *acc;            /* dR_k, k = 0..d-2 (backward) */
     REAL *pack;           /* a packed dR_k (backward) */
     REAL *tpack, *tout;   /* transposed last level */
+    int same_prefix;      /* this row's R_{d-2} is the previous row's: tpack holds it packed */
     REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
 } FN(emb_ctx);
 
@@ -134,7 +135,7 @@ static void FN(emb_last_fwd_t)(const FN(emb_ctx) *c, const int64_t *idx, REAL *d
     int k = s->d - 1;
     int64_t K = s->r[k], M = s->E[k - 1], N = s->e[k];
     const REAL *R = FN(emb_prev_state)(c, idx, k);
-    FN(comera_gemm_pack_b)(K, M, R, 1, K, c->tpack);
+    if (!c->same_prefix) FN(comera_gemm_pack_b)(K, M, R, 1, K, c->tpack);
     FN(comera_gemm_packed)(N, M, K, c->last + idx[k] * N, 1, s->v[k] * N, c->tpack, c->tout, M, 0);
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < N; j++) dst[m * N + j] = c->tout[j * M + m];
@@ -166,7 +167,7 @@ static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, c
     REAL *dslice = c->deff[k] + idx[k] * N;
     if (k == s->d - 1 && s->last_t) {
         /* slice gradient transposed: (e x r) = X^T (e x E) times R (E x r) */
-        FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
+        if (!c->same_prefix) FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
         FN(comera_gemm_packed)(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);
         for (int64_t a = 0; a < rk; a++)
             for (int64_t j = 0; j < N; j++) dslice[a * ld + j] += c->tout[j * rk + a];
@@ -243,6 +244,9 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             /* output rows are written in no order: fetch the next ones */
             if (!bag && u + 1 < u1)
                 FN(prefetch_row)(out + rows.pos[rows.start[u + 1]] * dim, dim, 1);
+            /* rows of one prefix (sorted, same thread) share R_{d-2}: the
+             * transposed last level packs it once for them all */
+            ctx.same_prefix = share && u > u0 && l == d - 1;
             FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
             if (!bag)
                 for (const int64_t *p = ps + direct; p < pe; p++) {
@@ -387,7 +391,9 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                     for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
                 }
             }
+            ctx.same_prefix = share && u > u0 && l == d - 1; /* as in emb_fwd */
             FN(emb_level_bwd)(&ctx, idx, d - 1, X);
+            ctx.same_prefix = 0;
             memcpy(prev, idx, sizeof idx);
         }
         if (u1 > u0)
