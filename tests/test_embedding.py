@@ -192,6 +192,31 @@ def test_large_batch_many_threads_against_reconstruction():
         torch.testing.assert_close(b, ref)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_output_past_the_cache_copies_repeated_rows_exactly(threads):
+    """A float32 output of 8 MB or more: repeated rows reach their further
+    positions by streaming stores (csrc/common/gemm.h), in every strategy and
+    thread count, equal to the rows computed at their first position."""
+    emb = comera.TTEmbedding(1000, 1024, rank=4)
+    idx = torch.randint(0, 50, (2100,), generator=torch.Generator().manual_seed(0))
+    assert idx.numel() * 1024 * 4 >= 8 << 20 and idx.unique().numel() < 60
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            w = emb.weight
+            for reuse in ("none", "dedup", "prefix"):
+                emb.reuse = reuse
+                y = emb(idx)
+                torch.testing.assert_close(y, w[idx])
+                first = {}
+                for p, i in enumerate(idx.tolist()):
+                    first.setdefault(i, p)
+                assert torch.equal(y, y[[first[i] for i in idx.tolist()]])
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_gradients_independent_of_index_order_and_thread_count():
     torch.manual_seed(0)
     emb = comera.TTEmbedding(500, 16, rank=5)

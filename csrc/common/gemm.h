@@ -54,6 +54,17 @@ static inline int comera_gemm_store_mode(int64_t bytes) {
     return bytes >= COMERA_GEMM_STREAM_BYTES ? COMERA_GEMM_STREAM : COMERA_GEMM_STORE;
 }
 
+/* dst[0..n) = src[0..n) with a product's store mode: COMERA_GEMM_STREAM
+ * writes with streaming stores where dst is 16-byte aligned (x86; a row
+ * copied to a large output that no one reads back soon), anything else is
+ * memcpy.  After streaming copies, comera_gemm_store_fence() before the
+ * data is read elsewhere. */
+void comera_copy_f32(float *dst, const float *src, int64_t n, int mode);
+void comera_copy_f64(double *dst, const double *src, int64_t n, int mode);
+
+/* Orders streaming stores (COMERA_GEMM_STREAM) before what follows. */
+void comera_gemm_store_fence(void);
+
 /* C (M x N, row stride ldc) = A * Bp, or C += A * Bp when accumulate is
  * COMERA_GEMM_ADD.
  * A is M x K with element (m, k) at A[m * rsa + k * csa]; Bp was packed by

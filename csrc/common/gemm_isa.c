@@ -286,6 +286,25 @@ void comera_gemm_store_fence(void) {
 #endif
 }
 
+void comera_copy_f32(float *dst, const float *src, int64_t n, int mode) {
+#ifdef COMERA_X86_VARIANTS
+    if (mode == COMERA_GEMM_STREAM && (uintptr_t)dst % 16 == 0) {
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+        for (; i < n; i++) dst[i] = src[i];
+        return;
+    }
+#endif
+    (void)mode;
+    if (n > 0) memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+
+/* float64 is the reference path: a plain copy. */
+void comera_copy_f64(double *dst, const double *src, int64_t n, int mode) {
+    (void)mode;
+    if (n > 0) memcpy(dst, src, sizeof(double) * (size_t)n);
+}
+
 const char *comera_gemm_isa(void) {
     return comera_gemm_variant_in_use()->name;
 }

@@ -203,6 +203,9 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
     int direct = !bag && dim == dp; /* rows land straight in the output */
+    /* a row's further positions of an output larger than the cache are
+     * copied with streaming stores: no read of lines about to be overwritten */
+    int copy_mode = comera_gemm_store_mode(b->n * dim * (int64_t)sizeof(REAL));
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
@@ -250,11 +253,13 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
             if (!bag)
                 for (const int64_t *p = ps + direct; p < pe; p++) {
-                    if (p + 1 < pe) FN(prefetch_row)(out + p[1] * dim, dim, 1);
-                    memcpy(out + *p * dim, dst, sizeof(REAL) * (size_t)dim);
+                    if (p + 1 < pe && copy_mode != COMERA_GEMM_STREAM)
+                        FN(prefetch_row)(out + p[1] * dim, dim, 1);
+                    FN(comera_copy)(out + *p * dim, dst, dim, copy_mode);
                 }
             memcpy(prev, idx, sizeof idx);
         }
+        if (copy_mode == COMERA_GEMM_STREAM) comera_gemm_store_fence();
     }
     if (bag) {
         for (int64_t p = 0; p < used; p++) uid[p] = -1;

@@ -246,6 +246,33 @@ void test_gemm(void) {
             stream_case(&g, ST[c][0], ST[c][1], ST[c][2], ST[c][3], offset);
     group_end();
 
+    /* comera_copy_* in each mode: the n values exactly, nothing written
+     * before or after them, at every alignment (streaming stores run at
+     * 16-byte aligned destinations, plain copies elsewhere) and every tail */
+    group_begin("copy with streaming stores");
+    {
+        float src[40], *buf = aligned_alloc(64, 64 * sizeof(float));
+        double dsrc[40], dbuf[48];
+        for (int i = 0; i < 40; i++) src[i] = dsrc[i] = (float)(i + 1) * 0.5f;
+        for (int mode = COMERA_GEMM_STORE; mode <= COMERA_GEMM_STREAM; mode++)
+            for (int off = 0; off < 5; off++)
+                for (int n = 0; n <= 37; n++) {
+                    for (int i = 0; i < 64; i++) buf[i] = (float)SENTINEL;
+                    for (int i = 0; i < 48; i++) dbuf[i] = SENTINEL;
+                    comera_copy_f32(buf + off, src, n, mode);
+                    comera_copy_f64(dbuf + off, dsrc, n, mode);
+                    comera_gemm_store_fence();
+                    int ok = 1;
+                    for (int i = 0; i < 64; i++)
+                        ok &= buf[i] == (i >= off && i < off + n ? src[i - off] : (float)SENTINEL);
+                    for (int i = 0; i < 48; i++)
+                        ok &= dbuf[i] == (i >= off && i < off + n ? dsrc[i - off] : SENTINEL);
+                    check(ok, "copy mode %d offset %d n %d", mode, off, n);
+                }
+        free(buf);
+    }
+    group_end();
+
     /* packed_size covers every panel, and K == 0 leaves C alone (acc) or
      * zeroes it; the packed B of a K x N operand is never read past its end
      * (exact-size buffers above let ASan check that). */
