@@ -36,7 +36,6 @@ typedef struct comera_gemm_variant {
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
 
-
 /* The variant in use; the first call decides, later calls return the same. */
 const comera_gemm_variant *comera_gemm_variant_in_use(void);
 

@@ -205,7 +205,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     int direct = !bag && dim == dp; /* rows land straight in the output */
     /* a row's further positions of an output larger than the cache are
      * copied with streaming stores: no read of lines about to be overwritten */
-    int copy_mode = comera_gemm_store_mode(b->n * dim * (int64_t)sizeof(REAL));
+    int copy_mode = bag ? COMERA_GEMM_STORE
+                        : comera_gemm_store_mode(b->n * dim * (int64_t)sizeof(REAL));
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
