@@ -243,14 +243,14 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             unravel(s, rows.keys[u], idx);
             int l = share && u > u0 ? first_diff(d, idx, prev) : 0;
             if (l > d - 1) l = d - 1;
+            /* rows of one prefix (sorted, same thread) share R_{d-2}: the
+             * transposed last level packs it once for them all */
+            ctx.same_prefix = l == d - 1;
             const int64_t *ps = rows.pos + rows.start[u], *pe = rows.pos + rows.start[u + 1];
             REAL *dst = bag ? rowbuf + u * dp : direct ? out + ps[0] * dim : scratch;
             /* output rows are written in no order: fetch the next ones */
             if (!bag && u + 1 < u1)
                 FN(prefetch_row)(out + rows.pos[rows.start[u + 1]] * dim, dim, 1);
-            /* rows of one prefix (sorted, same thread) share R_{d-2}: the
-             * transposed last level packs it once for them all */
-            ctx.same_prefix = share && u > u0 && l == d - 1;
             FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
             if (!bag)
                 for (const int64_t *p = ps + direct; p < pe; p++) {
@@ -368,6 +368,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             unravel(s, rows.keys[u], idx);
             int l = share && u > u0 ? first_diff(d, idx, prev) : 0;
             if (l > d - 1) l = d - 1;
+            ctx.same_prefix = l == d - 1; /* as in emb_fwd */
             /* prefixes of length > l end here: flush with the old path */
             if (u > u0)
                 for (int k = d - 2; k >= l; k--)
@@ -397,9 +398,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                     for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
                 }
             }
-            ctx.same_prefix = share && u > u0 && l == d - 1; /* as in emb_fwd */
             FN(emb_level_bwd)(&ctx, idx, d - 1, X);
-            ctx.same_prefix = 0;
             memcpy(prev, idx, sizeof idx);
         }
         if (u1 > u0)

@@ -246,7 +246,6 @@ static void ref_forward(const model *m, const double *T, const batch_t *B, doubl
     }
 }
 
-/* n indices; large batches make the kernels use several threads. */
 /* When set, every kernel call below starts from a reused workspace block
  * full of NaN: a packed slice the call reads but did not pack this time
  * (a small batch packs only its rows' slices) shows in the results instead
@@ -263,6 +262,7 @@ static void poison_workspace(void) {
     comera_ws_release(w, cached);
 }
 
+/* n indices; large batches make the kernels use several threads. */
 static void test_case(const emb_case *c, int mode, int64_t padding_idx, int weighted, int64_t n) {
     char name[160];
     snprintf(name, sizeof name, "%s mode %d pad %lld%s n %lld", c->name, mode,
