@@ -51,17 +51,10 @@ STABLE_TORCH_LIBRARY(comera, m) {
     m.def("tt_embedding(Tensor indices, Tensor? offsets, Tensor? per_sample_weights, "
           "Tensor[] cores, Tensor[] gates, int num_embeddings, int embedding_dim, "
           "int padding_idx, int mode, int reuse) -> Tensor");
-    // The CPU training forward: tt_embedding's output and its sorted rows
-    // (int64), which tt_embedding_backward takes back as kept_rows so that
-    // it does not sort the indices again (csrc/tt_embedding/keep.c).
-    m.def("_tt_embedding_keep(Tensor indices, Tensor? offsets, Tensor? per_sample_weights, "
-          "Tensor[] cores, Tensor[] gates, int num_embeddings, int embedding_dim, "
-          "int padding_idx, int mode, int reuse) -> (Tensor, Tensor)");
     // Gradients of tt_embedding with respect to the cores and gates.
     m.def("tt_embedding_backward(Tensor grad_out, Tensor indices, Tensor? offsets, "
           "Tensor? per_sample_weights, Tensor[] cores, Tensor[] gates, int num_embeddings, "
-          "int embedding_dim, int padding_idx, int mode, int reuse, Tensor? kept_rows=None) "
-          "-> (Tensor[], Tensor[])");
+          "int embedding_dim, int padding_idx, int mode, int reuse) -> (Tensor[], Tensor[])");
     // The planner's numbers for one batch as a float64 tensor: [reuse, rows,
     // unique, flops none/dedup/prefix, seconds none/dedup/prefix, distinct
     // prefixes per level].

@@ -27,22 +27,9 @@ def _tt_embedding_fake(indices, offsets, per_sample_weights, cores, gates, num_e
     return cores[0].new_empty(rows, embedding_dim)
 
 
-# int64 words of the kept rows (csrc/tt_embedding/keep.c): header, keys, starts, positions
-_KEPT_HEADER = 5
-
-
-@torch.library.register_fake("comera::_tt_embedding_keep")
-def _tt_embedding_keep_fake(indices, offsets, per_sample_weights, cores, gates, num_embeddings,
-                            embedding_dim, padding_idx, mode, reuse):
-    out = _tt_embedding_fake(indices, offsets, per_sample_weights, cores, gates, num_embeddings,
-                             embedding_dim, padding_idx, mode, reuse)
-    return out, indices.new_empty(_KEPT_HEADER + 3 * indices.shape[0] + 1, dtype=torch.int64)
-
-
 @torch.library.register_fake("comera::tt_embedding_backward")
 def _tt_embedding_backward_fake(grad_out, indices, offsets, per_sample_weights, cores, gates,
-                                num_embeddings, embedding_dim, padding_idx, mode, reuse,
-                                kept_rows=None):
+                                num_embeddings, embedding_dim, padding_idx, mode, reuse):
     return [torch.empty_like(c) for c in cores], [torch.empty_like(g) for g in gates]
 
 
@@ -157,7 +144,19 @@ class _TTEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _function_backward(ctx, grad, False)
+        indices, offsets, psw, *cg = ctx.saved_tensors
+        n = ctx.num_cores
+        cores, gates = cg[:n], cg[n:]
+        if needs_graph():
+            gcores, ggates, gpsw = _graph_backward(grad, indices, offsets, psw, cores, gates,
+                                                   ctx.args, ctx.needs_input_grad[2])
+            return (None, None, gpsw, None, None, *gcores, *ggates)
+        grad = grad.contiguous()
+        gcores, ggates = torch.ops.comera.tt_embedding_backward(
+            grad, indices, offsets, psw, cores, gates, *ctx.args)
+        gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) \
+            if ctx.needs_input_grad[2] else None
+        return (None, None, gpsw, None, None, *gcores, *ggates)
 
     @staticmethod
     def jvp(ctx, _i, _o, dpsw, _a, _n, *dcg):
@@ -183,50 +182,20 @@ class _TTEmbeddingFunction(torch.autograd.Function):
 class _EagerTTEmbedding(torch.autograd.Function):
     """The eager training path: the registered operators without the
     registered autograd's per-call pytree walk over the list arguments (as
-    comera.ops.linear._EagerTTLinear).  On the CPU the forward keeps its
-    sorted rows for the backward (``comera::_tt_embedding_keep``), which
-    then does not sort the indices again.  torch.compile and torch.func keep
-    the registered autograd and _TTEmbeddingFunction."""
+    comera.ops.linear._EagerTTLinear).  torch.compile and torch.func keep the
+    registered autograd and _TTEmbeddingFunction."""
 
     @staticmethod
     def forward(ctx, indices, offsets, psw, args, num_cores, *cg):
-        cores, gates = list(cg[:num_cores]), list(cg[num_cores:])
-        ctx.num_cores, ctx.args = num_cores, args
-        ctx.kept = cores[0].device.type == "cpu"
         with torch._C._AutoDispatchBelowAutograd():  # this Function records the call
-            if ctx.kept:
-                out, rows = torch.ops.comera._tt_embedding_keep.default(
-                    indices, offsets, psw, cores, gates, *args)
-                ctx.save_for_backward(indices, offsets, psw, *cg, rows)
-            else:
-                out = torch.ops.comera.tt_embedding.default(indices, offsets, psw, cores, gates,
-                                                            *args)
-                ctx.save_for_backward(indices, offsets, psw, *cg)
+            out = torch.ops.comera.tt_embedding.default(indices, offsets, psw,
+                                                        list(cg[:num_cores]),
+                                                        list(cg[num_cores:]), *args)
+        ctx.save_for_backward(indices, offsets, psw, *cg)
+        ctx.num_cores, ctx.args = num_cores, args
         return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _function_backward(ctx, grad, ctx.kept)
-
-
-def _function_backward(ctx, grad, kept):
-    """Backward of the two Functions above; their saved tensors are indices,
-    offsets, per-sample weights, cores, gates, and with `kept` the rows the
-    forward kept."""
-    indices, offsets, psw, *cg = ctx.saved_tensors
-    rows = [cg.pop()] if kept else []
-    n = ctx.num_cores
-    cores, gates = cg[:n], cg[n:]
-    if needs_graph():
-        gcores, ggates, gpsw = _graph_backward(grad, indices, offsets, psw, cores, gates,
-                                               ctx.args, ctx.needs_input_grad[2])
-        return (None, None, gpsw, None, None, *gcores, *ggates)
-    grad = grad.contiguous()
-    gcores, ggates = torch.ops.comera.tt_embedding_backward(
-        grad, indices, offsets, psw, cores, gates, *ctx.args, *rows)
-    gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) \
-        if ctx.needs_input_grad[2] else None
-    return (None, None, gpsw, None, None, *gcores, *ggates)
+    backward = _TTEmbeddingFunction.backward
 
 
 def _call(indices, offsets, psw, cores, gates, *args):

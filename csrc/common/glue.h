@@ -307,8 +307,7 @@ void check_status(int rc, const char *op, Detail detail, ArgError arg = ArgError
     const std::string text = std::string(op) + ": " + comera_status_text(rc) + detail(rc);
     switch (rc) {
         case COMERA_ERR_OVERFLOW:
-        case COMERA_ERR_OFFSETS:
-        case COMERA_ERR_KEPT: raise_value_error(text);
+        case COMERA_ERR_OFFSETS: raise_value_error(text);
         case COMERA_ERR_INDEX: raise_index_error(text);
         case COMERA_ERR_ARG:
             if (arg == ArgError::Value) raise_value_error(text);

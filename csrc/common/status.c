@@ -9,7 +9,6 @@ const char *comera_status_text(int status) {
         case COMERA_ERR_NOMEM: return "out of memory";
         case COMERA_ERR_INDEX: return "index out of range";
         case COMERA_ERR_OFFSETS: return "invalid bag offsets";
-        case COMERA_ERR_KEPT: return "the kept rows or states are not this call's";
         case COMERA_ERR_CUDA: return "a CUDA kernel or copy failed to launch";
         case COMERA_ERR_CUBLAS: return "a cuBLAS call failed";
         case COMERA_ERR_WORKSPACE: return "workspace too small (internal error)";

@@ -75,14 +75,14 @@ int comera_tt_embedding_fwd_f32(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const float *psw,
                                 const float *const *cores, const float *const *gates,
                                 float *out, int nthreads) {
-    return emb_fwd_prepared_f32(p, b, psw, cores, gates, out, NULL, 0, nthreads);
+    return emb_fwd_prepared_f32(p, b, psw, cores, gates, out, nthreads);
 }
 
 int comera_tt_embedding_fwd_f64(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const double *psw,
                                 const double *const *cores, const double *const *gates,
                                 double *out, int nthreads) {
-    return emb_fwd_prepared_f64(p, b, psw, cores, gates, out, NULL, 0, nthreads);
+    return emb_fwd_prepared_f64(p, b, psw, cores, gates, out, nthreads);
 }
 
 int comera_tt_embedding_bwd_f32(const comera_tt_embedding_prep *p,
@@ -90,8 +90,7 @@ int comera_tt_embedding_bwd_f32(const comera_tt_embedding_prep *p,
                                 const float *grad_out, const float *const *cores,
                                 const float *const *gates, float *const *dcores,
                                 float *const *dgates, int nthreads) {
-    return emb_bwd_prepared_f32(p, b, psw, grad_out, cores, gates, dcores, dgates, NULL, 0,
-                                nthreads);
+    return emb_bwd_prepared_f32(p, b, psw, grad_out, cores, gates, dcores, dgates, nthreads);
 }
 
 int comera_tt_embedding_bwd_f64(const comera_tt_embedding_prep *p,
@@ -99,46 +98,5 @@ int comera_tt_embedding_bwd_f64(const comera_tt_embedding_prep *p,
                                 const double *grad_out, const double *const *cores,
                                 const double *const *gates, double *const *dcores,
                                 double *const *dgates, int nthreads) {
-    return emb_bwd_prepared_f64(p, b, psw, grad_out, cores, gates, dcores, dgates, NULL, 0,
-                                nthreads);
-}
-
-int comera_tt_embedding_fwd_keep_f32(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const float *psw,
-                                     const float *const *cores, const float *const *gates,
-                                     float *out, const int64_t *words, int64_t nwords,
-                                     int nthreads) {
-    if (!words) return COMERA_ERR_ARG;
-    return emb_fwd_prepared_f32(p, b, psw, cores, gates, out, words, nwords, nthreads);
-}
-
-int comera_tt_embedding_fwd_keep_f64(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const double *psw,
-                                     const double *const *cores, const double *const *gates,
-                                     double *out, const int64_t *words, int64_t nwords,
-                                     int nthreads) {
-    if (!words) return COMERA_ERR_ARG;
-    return emb_fwd_prepared_f64(p, b, psw, cores, gates, out, words, nwords, nthreads);
-}
-
-int comera_tt_embedding_bwd_kept_f32(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const float *psw,
-                                     const float *grad_out, const float *const *cores,
-                                     const float *const *gates, float *const *dcores,
-                                     float *const *dgates, const int64_t *words, int64_t nwords,
-                                     int nthreads) {
-    if (!words) return COMERA_ERR_ARG;
-    return emb_bwd_prepared_f32(p, b, psw, grad_out, cores, gates, dcores, dgates, words, nwords,
-                                nthreads);
-}
-
-int comera_tt_embedding_bwd_kept_f64(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const double *psw,
-                                     const double *grad_out, const double *const *cores,
-                                     const double *const *gates, double *const *dcores,
-                                     double *const *dgates, const int64_t *words, int64_t nwords,
-                                     int nthreads) {
-    if (!words) return COMERA_ERR_ARG;
-    return emb_bwd_prepared_f64(p, b, psw, grad_out, cores, gates, dcores, dgates, words, nwords,
-                                nthreads);
+    return emb_bwd_prepared_f64(p, b, psw, grad_out, cores, gates, dcores, dgates, nthreads);
 }

@@ -128,14 +128,6 @@ static const REAL *FN(emb_prev_state)(const FN(emb_ctx) *c, const int64_t *idx, 
     return k == 1 ? c->eff + idx[0] * s->e[0] * s->r[1] : c->state + s->state_off[k - 1];
 }
 
-/* The rows of a call: the ones its training forward kept (keep.c; a view,
- * checked against the batch) when words is not NULL, else sorted here. */
-static int FN(emb_rows_get)(const emb_shape *s, const comera_tt_embedding_batch *b, int reuse,
-                            const int64_t *words, int64_t nwords, emb_rows *rows) {
-    if (words) return comera_emb_keep_view(s, b, reuse, words, nwords, rows);
-    return comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, rows);
-}
-
 /* The last level transposed: row^T (e x E) = C_{d-1}[:, i]^T (e x r) times
  * R^T (r x E), then transposed into dst (E x e). */
 static void FN(emb_last_fwd_t)(const FN(emb_ctx) *c, const int64_t *idx, REAL *dst) {
@@ -203,12 +195,11 @@ static void FN(emb_flush)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
 
 static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                        const REAL *psw, int reuse, const REAL *const *cores,
-                       const REAL *const *gates, REAL *out, const int64_t *words,
-                       int64_t nwords, int nthreads) {
+                       const REAL *const *gates, REAL *out, int nthreads) {
     int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
     int64_t dim = s->dim, dp = s->dim_pad, used = comera_emb_used(b);
     emb_rows rows;
-    int rc = FN(emb_rows_get)(s, b, reuse, words, nwords, &rows);
+    int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
     int direct = !bag && dim == dp; /* rows land straight in the output */
@@ -219,8 +210,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     /* sorted rows land at positions in no order: in such an output every
      * row is made in the thread's scratch row and streamed to all its
      * positions (the product writing a random row in place first reads its
-     * lines: 30522 x 768 shuffled Zipf, 1 thread, -0.3 to -0.5 ms of 14);
-     * unsorted rows (NONE) go in position order, in place */
+     * lines: 30522 x 768 rank 16 Zipf, 1 thread, 0.4 ms of 14); unsorted
+     * rows (NONE) go in position order, in place */
     int inplace = direct && !(rows.sorted && copy_mode == COMERA_GEMM_STREAM);
     FN(emb_ctx) ctx0;
     int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
@@ -302,7 +293,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
 done:
     if (pf) comera_ws_release(pf, cached);
     free(eff); free(slice_used); free(ws); free(rowbuf); free(uid);
-    if (!words) comera_emb_rows_free(&rows);
+    comera_emb_rows_free(&rows);
     return rc;
 }
 
@@ -326,12 +317,11 @@ static void FN(emb_bag_scales)(const emb_shape *s, const comera_tt_embedding_bat
 static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
                        const REAL *psw, int reuse, const REAL *grad_out,
                        const REAL *const *cores, const REAL *const *gates,
-                       REAL *const *dcores, REAL *const *dgates, const int64_t *words,
-                       int64_t nwords, int nthreads) {
+                       REAL *const *dcores, REAL *const *dgates, int nthreads) {
     int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
     int64_t dim = s->dim, dp = s->dim_pad, nc = s->core_off[d], used = comera_emb_used(b);
     emb_rows rows;
-    int rc = FN(emb_rows_get)(s, b, reuse, words, nwords, &rows);
+    int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
     int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
     int direct = !bag && dim == dp; /* grad_out rows are the rows' gradients */
@@ -431,7 +421,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
 done:
     if (pf) comera_ws_release(pf, cached);
     free(eff); free(slice_used); free(ws); free(bag_of); free(scale);
-    if (!words) comera_emb_rows_free(&rows);
+    comera_emb_rows_free(&rows);
     return rc;
 }
 
@@ -439,17 +429,15 @@ done:
 static int FN(emb_fwd_prepared)(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const REAL *psw,
                                 const REAL *const *cores, const REAL *const *gates, REAL *out,
-                                const int64_t *words, int64_t nwords, int nthreads) {
-    return FN(emb_fwd)(&p->shape, b, psw, p->reuse_resolved, cores, gates, out, words, nwords,
-                       nthreads);
+                                int nthreads) {
+    return FN(emb_fwd)(&p->shape, b, psw, p->reuse_resolved, cores, gates, out, nthreads);
 }
 
 static int FN(emb_bwd_prepared)(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const REAL *psw,
                                 const REAL *grad_out, const REAL *const *cores,
                                 const REAL *const *gates, REAL *const *dcores,
-                                REAL *const *dgates, const int64_t *words, int64_t nwords,
-                                int nthreads) {
+                                REAL *const *dgates, int nthreads) {
     return FN(emb_bwd)(&p->shape, b, psw, p->reuse_resolved, grad_out, cores, gates, dcores,
-                       dgates, words, nwords, nthreads);
+                       dgates, nthreads);
 }

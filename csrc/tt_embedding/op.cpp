@@ -257,58 +257,19 @@ int forward_cpu(const EmbeddingCall &c, const Tensor &out) {
                                            ptr<T>(out), nt);
 }
 
-// The training forward: the output, and the sorted rows kept for the
-// backward (keep.c) in `kept`.
 template <typename T>
-int forward_keep_cpu(const EmbeddingCall &c, const Tensor &out, const Tensor &kept) {
+int backward_cpu(const EmbeddingCall &c, const Tensor &grad, const std::vector<Tensor> &gcores,
+                 const std::vector<Tensor> &ggates) {
     auto cores = data_ptrs<T>(c.cores), gates = data_ptrs<T>(c.gates);
+    auto dc = mutable_data_ptrs<T>(gcores), dg = mutable_data_ptrs<T>(ggates);
     const T *psw = c.psw ? ptr<T>(*c.psw) : nullptr;
     int nt = num_threads();
     if constexpr (std::is_same_v<T, float>)
-        return comera_tt_embedding_fwd_keep_f32(&c.prep, &c.batch.b, psw, cores.data(),
-                                                gates.data(), ptr<T>(out), ptr<int64_t>(kept),
-                                                kept.numel(), nt);
+        return comera_tt_embedding_bwd_f32(&c.prep, &c.batch.b, psw, ptr<T>(grad), cores.data(),
+                                           gates.data(), dc.data(), dg.data(), nt);
     else
-        return comera_tt_embedding_fwd_keep_f64(&c.prep, &c.batch.b, psw, cores.data(),
-                                                gates.data(), ptr<T>(out), ptr<int64_t>(kept),
-                                                kept.numel(), nt);
-}
-
-// The rows a training forward kept, if given: a contiguous 1-D int64 CPU
-// tensor (its contents are checked by the kernel).
-inline const Tensor *check_kept(const char *op, const EmbeddingCall &c,
-                                const std::optional<Tensor> &kept) {
-    if (!kept) return nullptr;
-    COMERA_CHECK_VALUE(is_cpu(c.device), op, ": kept_rows are for CPU cores only");
-    COMERA_CHECK_VALUE(kept->dim() == 1 && kept->is_contiguous() && is_cpu(kept->device()), op,
-                       ": kept_rows must be a contiguous 1-D CPU tensor, got ",
-                       shape_text(*kept));
-    COMERA_CHECK_TYPE(kept->scalar_type() == ScalarType::Long, op,
-                      ": kept_rows must be int64, got ", kept->scalar_type());
-    return &*kept;
-}
-
-template <typename T>
-int backward_cpu(const EmbeddingCall &c, const Tensor &grad, const std::vector<Tensor> &gcores,
-                 const std::vector<Tensor> &ggates, const Tensor *kept) {
-    auto cores = data_ptrs<T>(c.cores), gates = data_ptrs<T>(c.gates);
-    auto dc = mutable_data_ptrs<T>(gcores), dg = mutable_data_ptrs<T>(ggates);
-    const T *psw = c.psw ? ptr<T>(*c.psw) : nullptr, *g = ptr<T>(grad);
-    const int64_t *words = kept ? ptr<int64_t>(*kept) : nullptr;
-    int64_t nwords = kept ? kept->numel() : 0;
-    int nt = num_threads();
-    if constexpr (std::is_same_v<T, float>)
-        return words ? comera_tt_embedding_bwd_kept_f32(&c.prep, &c.batch.b, psw, g,
-                                                        cores.data(), gates.data(), dc.data(),
-                                                        dg.data(), words, nwords, nt)
-                     : comera_tt_embedding_bwd_f32(&c.prep, &c.batch.b, psw, g, cores.data(),
-                                                   gates.data(), dc.data(), dg.data(), nt);
-    else
-        return words ? comera_tt_embedding_bwd_kept_f64(&c.prep, &c.batch.b, psw, g,
-                                                        cores.data(), gates.data(), dc.data(),
-                                                        dg.data(), words, nwords, nt)
-                     : comera_tt_embedding_bwd_f64(&c.prep, &c.batch.b, psw, g, cores.data(),
-                                                   gates.data(), dc.data(), dg.data(), nt);
+        return comera_tt_embedding_bwd_f64(&c.prep, &c.batch.b, psw, ptr<T>(grad), cores.data(),
+                                           gates.data(), dc.data(), dg.data(), nt);
 }
 
 // ---- CUDA launchers (cuda.cu, cuda_bwd.cu)
@@ -375,44 +336,19 @@ Tensor tt_embedding(Tensor indices, std::optional<Tensor> offsets, std::optional
     return out;
 }
 
-// The training forward on the CPU (the autograd path of eager calls): the
-// output, and the sorted rows that tt_embedding_backward takes back as
-// kept_rows (keep.c).
-std::tuple<Tensor, Tensor> tt_embedding_keep(
-    Tensor indices, std::optional<Tensor> offsets, std::optional<Tensor> psw,
-    std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
-    int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
-    const char *op = "comera::_tt_embedding_keep";
-    EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
-                                        padding_idx, reuse, indices, offsets, mode, psw);
-    COMERA_CHECK_VALUE(is_cpu(c.device), op, ": the cores must be on the CPU");
-    Tensor out = empty({c.batch.output_rows(), embedding_dim}, c.dtype, c.device);
-    int64_t words = comera_tt_embedding_keep_words(&c.batch.b);
-    COMERA_CHECK_VALUE(words >= 0, op, ": ", c.batch.b.n, " indices are too many to keep");
-    Tensor kept = empty({words}, ScalarType::Long, c.device);
-    check_status(comera_tt_embedding_keep_rows(&c.prep, &c.batch.b, ptr<int64_t>(kept), words),
-                 op);
-    int rc = c.dtype == ScalarType::Float ? forward_keep_cpu<float>(c, out, kept)
-                                          : forward_keep_cpu<double>(c, out, kept);
-    check_status(rc, op);
-    return {out, kept};
-}
-
 std::tuple<std::vector<Tensor>, std::vector<Tensor>> tt_embedding_backward(
     Tensor grad_out, Tensor indices, std::optional<Tensor> offsets, std::optional<Tensor> psw,
     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
-    int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse,
-    std::optional<Tensor> kept_rows) {
+    int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding_backward";
     CudaGuard guard(call_device(op, cores));
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
     Tensor grad = check_grad_out(op, c, grad_out);
-    const Tensor *kept = check_kept(op, c, kept_rows);
     std::vector<Tensor> gcores = empty_like_all(c.cores), ggates = empty_like_all(c.gates);
     int rc = is_cuda(c.device) ? backward_cuda(op, c, grad, gcores, ggates)
-             : c.dtype == ScalarType::Float ? backward_cpu<float>(c, grad, gcores, ggates, kept)
-                                            : backward_cpu<double>(c, grad, gcores, ggates, kept);
+             : c.dtype == ScalarType::Float ? backward_cpu<float>(c, grad, gcores, ggates)
+                                            : backward_cpu<double>(c, grad, gcores, ggates);
     check_status(rc, op);
     return {gcores, ggates};
 }
@@ -466,7 +402,6 @@ STABLE_TORCH_LIBRARY_IMPL(comera, CPU, m) {
     m.impl("tt_embedding", TORCH_BOX(&tt_embedding));
     m.impl("tt_embedding_backward", TORCH_BOX(&tt_embedding_backward));
     m.impl("tt_embedding_plan", TORCH_BOX(&tt_embedding_plan));
-    m.impl("_tt_embedding_keep", TORCH_BOX(&tt_embedding_keep));
 }
 #else
 STABLE_TORCH_LIBRARY_IMPL(comera, CUDA, m) {

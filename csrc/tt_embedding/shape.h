@@ -28,12 +28,6 @@ int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b
                           int dedup, emb_rows *rows);
 void comera_emb_rows_free(emb_rows *rows);
 
-/* The rows a training forward kept (keep.c) as a view of words (not to be
- * freed), after checking them against batch b and strategy reuse (the
- * resolved one); COMERA_ERR_KEPT when they are not this batch's. */
-int comera_emb_keep_view(const emb_shape *s, const comera_tt_embedding_batch *b, int reuse,
-                         const int64_t *words, int64_t nwords, emb_rows *rows);
-
 /* Positions that belong to a bag: offsets[num_bags] (== n) in bag modes, else n. */
 int64_t comera_emb_used(const comera_tt_embedding_batch *b);
 

@@ -341,86 +341,6 @@ static void test_case(const emb_case *c, int mode, int64_t padding_idx, int weig
     model_free(&m);
 }
 
-/* The training pair: rows kept by the forward give the same bits as the
- * plain calls, every strategy and thread count; rows of another batch, or
- * tampered ones, are refused (COMERA_ERR_KEPT) before anything is read. */
-static void test_kept_rows(const emb_case *c, int mode, int64_t padding_idx, int64_t n) {
-    char name[160];
-    snprintf(name, sizeof name, "%s mode %d pad %lld n %lld", c->name, mode,
-             (long long)padding_idx, (long long)n);
-    model m;
-    model_init(&m, c, padding_idx);
-    static batch_t B;
-    make_batch(&B, c, mode, n, 1);
-    int64_t rows = out_rows(&B), dim = c->dim, ok = 1;
-    double *G = malloc(sizeof(double) * (size_t)(rows * dim));
-    for (int64_t i = 0; i < rows * dim; i++) G[i] = uniform(-1, 1);
-    double *out[2], *dc[2][MAXD], *dg[2][MAXD];
-    for (int w = 0; w < 2; w++) {
-        out[w] = malloc(sizeof(double) * (size_t)(rows * dim));
-        for (int k = 0; k < c->d; k++) {
-            dc[w][k] = malloc(sizeof(double) * (size_t)m.size[k]);
-            dg[w][k] = malloc(sizeof(double) * 16);
-        }
-    }
-    const double *const *cores = (const double *const *)m.core;
-    const double *const *gates = (const double *const *)m.gate;
-    int64_t nwords = comera_tt_embedding_keep_words(&B.b);
-    int64_t *words = malloc(sizeof(int64_t) * (size_t)nwords);
-    for (int reuse = COMERA_REUSE_AUTO; reuse <= COMERA_REUSE_PREFIX; reuse++)
-        for (int nt = 1; nt <= 3; nt += 2) {
-            comera_tt_embedding_prep p;
-            ok &= comera_tt_embedding_prepare(&m.desc, reuse, &p) == COMERA_OK;
-            ok &= comera_tt_embedding_fwd_f64(&p, &B.b, B.psw, cores, gates, out[0], nt) == 0;
-            ok &= comera_tt_embedding_bwd_f64(&p, &B.b, B.psw, G, cores, gates, dc[0], dg[0],
-                                              nt) == 0;
-            ok &= comera_tt_embedding_keep_rows(&p, &B.b, words, nwords) == COMERA_OK;
-            ok &= comera_tt_embedding_fwd_keep_f64(&p, &B.b, B.psw, cores, gates, out[1], words,
-                                                   nwords, nt) == COMERA_OK;
-            ok &= comera_tt_embedding_bwd_kept_f64(&p, &B.b, B.psw, G, cores, gates, dc[1],
-                                                   dg[1], words, nwords, nt) == COMERA_OK;
-            ok &= memcmp(out[0], out[1], sizeof(double) * (size_t)(rows * dim)) == 0;
-            for (int k = 0; k < c->d; k++) {
-                ok &= memcmp(dc[0][k], dc[1][k], sizeof(double) * (size_t)m.size[k]) == 0;
-                if (k < c->d - 1)
-                    ok &= memcmp(dg[0][k], dg[1][k], sizeof(double) * (size_t)c->r[k + 1]) == 0;
-            }
-        }
-    check((int)ok, "kept rows: same bits as sorting again", name);
-    /* refused: another batch (one index changed), positions swapped, a
-     * position repeated, the word count or the strategy changed */
-    comera_tt_embedding_prep p;
-    comera_tt_embedding_prepare(&m.desc, COMERA_REUSE_PREFIX, &p);
-    comera_tt_embedding_keep_rows(&p, &B.b, words, nwords);
-    int64_t *keys = words + 5, *pos = keys + 2 * n + 1;
-    int refused = 1;
-    for (int t = 0; t < 5; t++) {
-        int64_t saved[3] = {B.idx[0], pos[0], pos[1]};
-        int64_t nw = nwords;
-        comera_tt_embedding_prep q = p;
-        if (t == 0) B.idx[0] = B.idx[0] == padding_idx || B.idx[0] + 1 >= c->num ? 0 : B.idx[0] + 1;
-        if (t == 1) { pos[0] = saved[2]; pos[1] = saved[1]; }
-        if (t == 2) pos[1] = pos[0];
-        if (t == 3) nw = nwords - 1;
-        if (t == 4) q.reuse_resolved = COMERA_REUSE_DEDUP;
-        if (t == 0 && B.idx[0] == saved[0]) continue;
-        refused &= comera_tt_embedding_bwd_kept_f64(&q, &B.b, B.psw, G, cores, gates, dc[1],
-                                                    dg[1], words, nw, 1) == COMERA_ERR_KEPT;
-        refused &= comera_tt_embedding_fwd_keep_f64(&q, &B.b, B.psw, cores, gates, out[1],
-                                                    words, nw, 1) == COMERA_ERR_KEPT;
-        B.idx[0] = saved[0];
-        pos[0] = saved[1];
-        pos[1] = saved[2];
-    }
-    check(refused, "kept rows of another batch or tampered: refused", name);
-    for (int w = 0; w < 2; w++) {
-        free(out[w]);
-        for (int k = 0; k < c->d; k++) { free(dc[w][k]); free(dg[w][k]); }
-    }
-    free(G); free(words);
-    model_free(&m);
-}
-
 static void test_checks_and_plan(void) {
     const emb_case *c = &CASES[1];
     model m;
@@ -550,11 +470,6 @@ int main(void) {
         test_case(&CASES[i], COMERA_EMB_SUM, 1, 1, 6);
     }
     poison_ws = 0;
-    for (int i = 0; i < NCASES; i++) {
-        test_kept_rows(&CASES[i], COMERA_EMB_PLAIN, 1, 40);
-        test_kept_rows(&CASES[i], COMERA_EMB_MEAN, -1, 40);
-    }
-    test_kept_rows(&CASES[4], COMERA_EMB_SUM, 2, 4000);
     test_checks_and_plan();
     test_inside_parallel_region();
     printf("%d passed, %d failed\n", passed, failed);

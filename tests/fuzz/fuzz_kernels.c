@@ -300,55 +300,6 @@ static void fuzz_linear(reader *r) {
 
 /* --------------------------------------------------------------- embedding */
 
-/* The training pair (keep.c) on a valid batch: the same bits as the plain
- * forward and backward; then one word of the kept rows overwritten: the
- * backward either refuses them (COMERA_ERR_KEPT) or, when the word was not
- * in use, gives the same bits again. */
-static void fuzz_embedding_kept(reader *r, const comera_tt_embedding_desc *desc,
-                                const comera_tt_embedding_batch *b, const double *psw, int reuse,
-                                double *const *cores, double *const *gates, const double *gout,
-                                int64_t nout, int nthreads) {
-    comera_tt_embedding_prep p;
-    if (comera_tt_embedding_prepare(desc, reuse, &p)) FAIL("kept: prepare failed\n");
-    int d = desc->num_cores;
-    int64_t nw = comera_tt_embedding_keep_words(b), size[COMERA_MAX_CORES];
-    int64_t *words = malloc(sizeof(int64_t) * (size_t)nw);
-    double *out[2], *dc[3][COMERA_MAX_CORES], *dg[3][COMERA_MAX_CORES];
-    for (int k = 0; k < d; k++)
-        size[k] = desc->ranks[k] * desc->row_modes[k] * desc->dim_modes[k] * desc->ranks[k + 1];
-    for (int w = 0; w < 3; w++)
-        for (int k = 0; k < d; k++) {
-            dc[w][k] = rand_buf(r, size[k]);
-            dg[w][k] = rand_buf(r, k < d - 1 ? desc->ranks[k + 1] : 1);
-        }
-    out[0] = rand_buf(r, nout);
-    out[1] = rand_buf(r, nout);
-    const double *const *cc = (const double *const *)cores;
-    const double *const *gg = (const double *const *)gates;
-    int a = comera_tt_embedding_fwd_f64(&p, b, psw, cc, gg, out[0], nthreads);
-    int c = comera_tt_embedding_bwd_f64(&p, b, psw, gout, cc, gg, dc[0], dg[0], nthreads);
-    int k1 = comera_tt_embedding_keep_rows(&p, b, words, nw);
-    int a1 = comera_tt_embedding_fwd_keep_f64(&p, b, psw, cc, gg, out[1], words, nw, nthreads);
-    int c1 = comera_tt_embedding_bwd_kept_f64(&p, b, psw, gout, cc, gg, dc[1], dg[1], words, nw,
-                                              nthreads);
-    if (a || c || k1 || a1 || c1) FAIL("kept: %d %d %d %d %d\n", a, c, k1, a1, c1);
-    int same = memcmp(out[0], out[1], sizeof(double) * (size_t)nout) == 0;
-    for (int k = 0; k < d; k++)
-        same &= memcmp(dc[0][k], dc[1][k], sizeof(double) * (size_t)size[k]) == 0;
-    if (!same) FAIL("kept: results differ from the plain calls\n");
-    int64_t at = (int64_t)(rd_u64(r) % (uint64_t)nw);
-    words[at] = rd_u8(r) % 2 ? (int64_t)rd_u64(r) : words[at] + (rd_u8(r) % 3) - 1;
-    int c2 = comera_tt_embedding_bwd_kept_f64(&p, b, psw, gout, cc, gg, dc[2], dg[2], words, nw,
-                                              nthreads);
-    if (c2 != COMERA_OK && c2 != COMERA_ERR_KEPT) FAIL("kept: tampered rows gave %d\n", c2);
-    for (int k = 0; k < d && c2 == COMERA_OK; k++)
-        if (memcmp(dc[0][k], dc[2][k], sizeof(double) * (size_t)size[k]))
-            FAIL("kept: tampered rows (word %lld) accepted with other gradients\n", (long long)at);
-    for (int w = 0; w < 3; w++)
-        for (int k = 0; k < d; k++) { free(dc[w][k]); free(dg[w][k]); }
-    free(out[0]); free(out[1]); free(words);
-}
-
 static void fuzz_embedding(reader *r) {
     int d = r->tame ? rd_count(r, 2, 3) : rd_count(r, -1, 17);
     if (rd_u8(r) == 255) d = INT32_MAX;
@@ -459,8 +410,6 @@ static void fuzz_embedding(reader *r) {
                 if (k < d - 1) expect_close("embedding dgate", dg[1][k], dg[s][k], rk[k + 1]);
             }
         }
-        if (rc == COMERA_OK && reuse_ok) fuzz_embedding_kept(r, &desc, &b, psw, reuse, cores,
-                                                     gates, gout, rows * dim, nthreads);
         if (rc == COMERA_OK && reuse_ok) { /* float32 on the requested strategy */
             float *fc[COMERA_MAX_CORES], *fg[COMERA_MAX_CORES];
             for (int k = 0; k < d; k++) {

@@ -18,7 +18,6 @@ enum {
     COMERA_ERR_NOMEM = -3,    /* a host allocation failed */
     COMERA_ERR_INDEX = -4,    /* an embedding index outside [0, num_embeddings) */
     COMERA_ERR_OFFSETS = -5,  /* bag offsets that do not start at 0, decrease, or do not end at n */
-    COMERA_ERR_KEPT = -6,     /* what a forward kept does not belong to this backward's call */
 
     /* CUDA launchers only (comera/cuda.h) */
     COMERA_ERR_CUDA = -10,      /* a kernel launch or copy failed to enqueue */

@@ -194,40 +194,6 @@ int comera_tt_embedding_bwd_f64(const comera_tt_embedding_prep *p,
                                 const double *const *gates, double *const *dcores,
                                 double *const *dgates, int nthreads);
 
-/* Training: a forward that keeps its sorted rows for the backward (keep.c),
- * which then does not sort the indices again.  The caller allocates
- * comera_tt_embedding_keep_words(b) int64 words (-1 if that overflows),
- * fills them with comera_tt_embedding_keep_rows, runs *_fwd_keep with them,
- * and later *_bwd_kept with the same words, unchanged, and the same table,
- * strategy and batch.  Both check the words against the batch and return
- * COMERA_ERR_KEPT for words of another call. */
-int64_t comera_tt_embedding_keep_words(const comera_tt_embedding_batch *b);
-int comera_tt_embedding_keep_rows(const comera_tt_embedding_prep *p,
-                                  const comera_tt_embedding_batch *b, int64_t *words,
-                                  int64_t nwords);
-int comera_tt_embedding_fwd_keep_f32(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const float *psw,
-                                     const float *const *cores, const float *const *gates,
-                                     float *out, const int64_t *words, int64_t nwords,
-                                     int nthreads);
-int comera_tt_embedding_fwd_keep_f64(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const double *psw,
-                                     const double *const *cores, const double *const *gates,
-                                     double *out, const int64_t *words, int64_t nwords,
-                                     int nthreads);
-int comera_tt_embedding_bwd_kept_f32(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const float *psw,
-                                     const float *grad_out, const float *const *cores,
-                                     const float *const *gates, float *const *dcores,
-                                     float *const *dgates, const int64_t *words, int64_t nwords,
-                                     int nthreads);
-int comera_tt_embedding_bwd_kept_f64(const comera_tt_embedding_prep *p,
-                                     const comera_tt_embedding_batch *b, const double *psw,
-                                     const double *grad_out, const double *const *cores,
-                                     const double *const *gates, double *const *dcores,
-                                     double *const *dgates, const int64_t *words, int64_t nwords,
-                                     int nthreads);
-
 #ifdef __cplusplus
 }
 #endif
