@@ -56,7 +56,8 @@ import torch
 from torch import nn
 
 import comera
-from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
+from timing import (assert_threads, finish_record, interleaved, machine_line, machine_record,
+                    paired_ratio)
 
 TABLES = [(30522, 768), (1_000_000, 64)]
 RANKS = [16, 32]
@@ -87,7 +88,7 @@ def time_methods(fns, repeats, warmup=2):
     t = interleaved(calls, reps=repeats, warmup=warmup)
     return {name: {"median_ms": 1e3 * v["wall"]["median"], "min_ms": 1e3 * v["wall"]["min"],
                    "iqr_ms": 1e3 * v["wall"]["iqr"], "cpu_median_ms": 1e3 * v["cpu"]["median"],
-                   "reps": v["wall"]["reps"]}
+                   "reps": v["wall"]["reps"], "rounds_ms": [1e3 * x for x in v["samples"]]}
             for name, v in t.items()}
 
 
@@ -127,6 +128,8 @@ def bench_speed(num, dim, rank, repeats, dense_layer, thread_counts):
                 torch.set_num_threads(default_threads)
             res = {"threads": threads, "times": t, "plan": layer.plan(idx)}
             res["dedup_speedup"] = t["tt_nodedup"]["median_ms"] / t["tt_auto"]["median_ms"]
+            res["dedup_speedup_paired"] = paired_ratio(t["tt_nodedup"]["rounds_ms"],
+                                                       t["tt_auto"]["rounds_ms"])
             res["dedup_only_speedup"] = t["tt_nodedup"]["median_ms"] / t["tt_dedup"]["median_ms"]
             if threads == 1:  # CPU time: what the work costs, whatever else runs
                 res["dedup_speedup_cpu"] = (t["tt_nodedup"]["cpu_median_ms"] /
@@ -264,7 +267,8 @@ def markdown(report):
                      f"{fmt_bytes(r['dense_bytes'])} | **{r['compression']:.1f}x** |")
     lines += ["", f"## Forward + backward, one batch of {BATCH} indices (wall ms: median of "
               f"{report['repeats']} interleaved runs, min in brackets; at 1 thread also the "
-              "median CPU ms after the slash)", "",
+              "median CPU ms after the slash; after the speed-up, the 95% interval of the "
+              "median per-round ratio, no dedup over auto, in square brackets)", "",
               "| table | rank | indices, threads | distinct rows | dense | TT auto (dedup + prefixes) | TT dedup only | TT no dedup | dedup speed-up, wall (CPU) | TT vs dense |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["configs"]:
@@ -280,6 +284,9 @@ def markdown(report):
             up = f"**{s['dedup_speedup']:.2f}x**"
             if "dedup_speedup_cpu" in s:
                 up += f" ({s['dedup_speedup_cpu']:.2f}x)"
+            if "dedup_speedup_paired" in s:
+                p = s["dedup_speedup_paired"]
+                up += f" [{p['lo']:.2f}-{p['hi']:.2f}]"
             lines.append(f"| {r['table']} | {r['rank']} | {dist} | {s['plan']['unique']} | "
                          f"{cell('dense')} | {cell('tt_auto')} | {cell('tt_dedup')} | "
                          f"{cell('tt_nodedup')} | {up} | {vs} |")
@@ -313,7 +320,7 @@ def markdown(report):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed runs per method")
+    ap.add_argument("--repeats", type=int, default=11, help="timed runs per method")
     ap.add_argument("--steps", type=int, default=100, help="AdamW steps of the TT layers")
     ap.add_argument("--dense-steps", type=int, default=10, help="AdamW steps of the dense layers")
     ap.add_argument("--memory-worker", nargs=5, metavar=("KIND", "NUM", "DIM", "RANK", "STEPS"),

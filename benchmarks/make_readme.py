@@ -48,7 +48,9 @@ GPU machine.
   warm-up call of each, then rounds that call every method once in an order shuffled anew each
   round (seeded; a rotating order gave each method a fixed predecessor), so a change
   in machine load hits all of them alike. Every time is a median with its spread (min, max,
-  interquartile range) and the number of rounds.
+  interquartile range) and the number of rounds. Where a ratio of two methods is a target
+  (`bench_embedding.py`), the 95% bootstrap interval of the median per-round ratio is given
+  beside it (`timing.paired_ratio`): a round's two times share the machine's state.
 - Memory is measured apart, in a fresh subprocess per method (peak RSS growth).
 - Every subprocess gets the thread count as `--threads N` and `OMP_NUM_THREADS=N` and asserts it
   (`timing.assert_threads`); a case that reports another count is refused. The thread count in a

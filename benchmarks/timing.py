@@ -45,8 +45,9 @@ def interleaved(methods: Dict[str, Callable[[], object]], *, reps: int = 7, warm
     every time, whatever it was.  Stops after ``reps`` rounds, or earlier once ``budget_s``
     seconds have passed (at least 3 rounds whenever possible).
 
-    Returns per method ``{"wall": {median, min, max, iqr, reps}, "cpu": {...}}``
-    in seconds; ``cpu`` is process CPU time over all threads.
+    Returns per method ``{"wall": {median, min, max, iqr, reps}, "cpu": {...},
+    "samples": [...]}`` in seconds; ``cpu`` is process CPU time over all
+    threads, ``samples`` the wall times in round order (for paired_ratio).
 
     Example:
         >>> r = interleaved({"a": lambda: sum(range(1000)), "b": lambda: None}, reps=3)
@@ -72,7 +73,32 @@ def interleaved(methods: Dict[str, Callable[[], object]], *, reps: int = 7, warm
             cpu[name].append(time.process_time() - c0)
         if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
             break
-    return {n: {"wall": _spread(wall[n]), "cpu": _spread(cpu[n])} for n in names}
+    return {n: {"wall": _spread(wall[n]), "cpu": _spread(cpu[n]), "samples": wall[n]}
+            for n in names}
+
+
+def paired_ratio(num: List[float], den: List[float], *, boots: int = 2000,
+                 seed: int = 0) -> Dict[str, float]:
+    """The ratio of two methods timed in the same rounds of ``interleaved``:
+    the median of the per-round ratios num[r] / den[r], and a bootstrap 95%
+    interval of that median (``boots`` resamples, seeded).  A round's two
+    times share the machine's state, so their ratio moves less than either
+    time; the interval says whether a ratio near a target is distinguishable
+    from it.
+
+    Example:
+        >>> r = paired_ratio([3.0, 3.3, 2.9, 3.1], [1.0, 1.1, 1.0, 1.0])
+        >>> r["median"], r["lo"] <= r["median"] <= r["hi"], r["rounds"]
+        (3.0, True, 4)
+    """
+    if len(num) != len(den) or not num:
+        raise ValueError(f"paired_ratio: needs two equal, non-empty lists of round times, got "
+                         f"{len(num)} and {len(den)}")
+    ratios = [a / b for a, b in zip(num, den)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(boots))
+    return {"median": statistics.median(ratios), "lo": meds[int(0.025 * boots)],
+            "hi": meds[min(boots - 1, int(0.975 * boots))], "rounds": len(ratios)}
 
 
 def cpu_model() -> str:

@@ -3,6 +3,7 @@ median and spread, the machine record, and subprocess cases that really run
 with the thread count asked."""
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -71,3 +72,22 @@ def test_subprocess_case_runs_with_the_threads_asked(tmp_path, threads):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"torch": threads, "omp": str(threads)}
+
+
+def test_interleaved_keeps_the_round_times_for_paired_ratios():
+    out = timing.interleaved({"a": lambda: None, "b": lambda: sum(range(2000))}, reps=5, warmup=0)
+    assert len(out["a"]["samples"]) == len(out["b"]["samples"]) == 5
+    assert statistics.median(out["b"]["samples"]) == out["b"]["wall"]["median"]
+
+
+def test_paired_ratio_median_and_interval():
+    den = [1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 0.95]
+    num = [3.0 * d for d in den]  # the same ratio every round, whatever the round's speed
+    r = timing.paired_ratio(num, den)
+    assert r["rounds"] == 7
+    assert abs(r["median"] - 3.0) < 1e-12 and abs(r["lo"] - 3.0) < 1e-12 and abs(r["hi"] - 3.0) < 1e-12
+    noisy = timing.paired_ratio([2.6, 3.4, 2.9, 3.1, 3.0, 2.8, 3.2], [1.0] * 7)
+    assert noisy["lo"] < 3.0 < noisy["hi"] and noisy["median"] == 3.0
+    assert noisy == timing.paired_ratio([2.6, 3.4, 2.9, 3.1, 3.0, 2.8, 3.2], [1.0] * 7)  # seeded
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        timing.paired_ratio([1.0], [1.0, 2.0])
