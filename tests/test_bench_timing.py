@@ -85,7 +85,7 @@ def test_paired_ratio_median_and_interval():
     num = [3.0 * d for d in den]  # the same ratio every round, whatever the round's speed
     r = timing.paired_ratio(num, den)
     assert r["rounds"] == 7
-    assert abs(r["median"] - 3.0) < 1e-12 and abs(r["lo"] - 3.0) < 1e-12 and abs(r["hi"] - 3.0) < 1e-12
+    assert all(abs(r[k] - 3.0) < 1e-12 for k in ("median", "lo", "hi"))
     noisy = timing.paired_ratio([2.6, 3.4, 2.9, 3.1, 3.0, 2.8, 3.2], [1.0] * 7)
     assert noisy["lo"] < 3.0 < noisy["hi"] and noisy["median"] == 3.0
     assert noisy == timing.paired_ratio([2.6, 3.4, 2.9, 3.1, 3.0, 2.8, 3.2], [1.0] * 7)  # seeded
