@@ -22,19 +22,29 @@ static void FN(emb_gated_core0)(const emb_shape *s, const REAL *const *cores,
 }
 
 /* In place: dcores[k] holds the gradient of the gated core k on entry and
- * the gradient of core k on exit; dgates[k] is overwritten. */
+ * the gradient of core k on exit; dgates[k] is overwritten.  Only the
+ * slices flagged in `used` (all when it is NULL: see used_slices) hold
+ * anything else than zeros, so only they are visited: a one-index
+ * backward does not sweep whole cores. */
 static void FN(emb_finish_grads)(const emb_shape *s, const REAL *const *cores,
                                  const REAL *const *gates, REAL *const *dcores,
-                                 REAL *const *dgates) {
-    for (int k = 0; k < s->d - 1; k++) {
+                                 REAL *const *dgates, const unsigned char *used) {
+    int64_t used_off = 0;
+    for (int k = 0; k < s->d - 1; used_off += s->v[k], k++) {
         const REAL *c = cores[k], *g = gates[k];
         REAL *dc = dcores[k], *dg = dgates[k];
-        int64_t cols = s->r[k + 1], rows = (s->core_off[k + 1] - s->core_off[k]) / cols;
+        int64_t cols = s->r[k + 1], v = s->v[k], e = s->e[k];
         for (int64_t j = 0; j < cols; j++) dg[j] = 0;
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t j = 0; j < cols; j++) {
-                dg[j] += dc[i * cols + j] * c[i * cols + j];
-                dc[i * cols + j] *= g[j];
+        /* core k is (r_k, v_k, e_k, r_k+1): slice i is e_k rows of each of the r_k blocks */
+        for (int64_t a = 0; a < s->r[k]; a++)
+            for (int64_t i = 0; i < v; i++) {
+                if (used && !used[used_off + i]) continue;
+                int64_t row0 = (a * v + i) * e;
+                for (int64_t r = row0; r < row0 + e; r++)
+                    for (int64_t j = 0; j < cols; j++) {
+                        dg[j] += dc[r * cols + j] * c[r * cols + j];
+                        dc[r * cols + j] *= g[j];
+                    }
             }
     }
 }
@@ -417,7 +427,7 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             REAL *dst = dcores[k];
             for (int64_t i = 0; i < s->core_off[k + 1] - s->core_off[k]; i++) dst[i] += src[i];
         }
-    FN(emb_finish_grads)(s, cores, gates, dcores, dgates);
+    FN(emb_finish_grads)(s, cores, gates, dcores, dgates, slice_used);
 done:
     if (pf) comera_ws_release(pf, cached);
     free(eff); free(slice_used); free(ws); free(bag_of); free(scale);
