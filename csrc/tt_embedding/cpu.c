@@ -1,7 +1,8 @@
 /* TT embedding, CPU kernels: the float32/float64 entry points.  The generic
- * text of the kernels is cpu_impl.h, compiled once per element type; the
- * public functions below are thin wrappers, written out so that each can be
- * found by its name.  Checks, index grouping and the planner are in plan.c. */
+ * text of the kernels is cpu_impl.h (the backward: cpu_bwd_impl.h),
+ * compiled once per element type; the public functions below are thin
+ * wrappers, written out so that each can be found by its name.  Checks,
+ * index grouping and the planner are in plan.c. */
 #include "tt_embedding/shape.h"
 #include "common/gemm.h"
 #include "common/workspace.h"
@@ -62,12 +63,14 @@ static unsigned char *used_slices(const emb_shape *s, const emb_rows *rows) {
 #define REAL float
 #define FN(name) name##_f32
 #include "tt_embedding/cpu_impl.h"
+#include "tt_embedding/cpu_bwd_impl.h"
 #undef REAL
 #undef FN
 
 #define REAL double
 #define FN(name) name##_f64
 #include "tt_embedding/cpu_impl.h"
+#include "tt_embedding/cpu_bwd_impl.h"
 #undef REAL
 #undef FN
 

@@ -105,6 +105,8 @@ typedef struct FN(emb_ctx) {
     REAL *pack;           /* a packed dR_k (backward) */
     REAL *tpack, *tout;   /* transposed last level */
     int same_prefix;      /* this row's R_{d-2} is the previous row's: tpack holds it packed */
+    REAL *acc1;           /* grouped level 1 (backward, see cpu_bwd_impl.h): dR_1 of the
+                           * current level-1 prefix, kept for one product per core-1 slice */
     REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
 } FN(emb_ctx);
 
@@ -185,13 +187,16 @@ static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, c
         FN(comera_gemm_pack_b)(M, N, X, N, 1, c->pack);
         FN(comera_gemm_packed)(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
     }
+    REAL *dR = k == 2 && c->acc1 ? c->acc1 : c->acc + s->acc_off[k - 1];
     FN(comera_gemm_packed)(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
-                           c->acc + s->acc_off[k - 1], rk, 1);
+                           dR, rk, 1);
 }
 
-/* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down. */
+/* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down
+ * (with grouped level 1, levels 1 and 0 wait for the grouped products). */
 static void FN(emb_flush)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
     const emb_shape *s = c->s;
+    if (c->acc1 && k <= 1) return;
     REAL *X = c->acc + s->acc_off[k];
     int64_t n = s->acc_off[k + 1] - s->acc_off[k];
     if (k == 0) {
@@ -307,147 +312,10 @@ done:
     return rc;
 }
 
-/* Per-position weight of the output gradient in bag modes:
- * per_sample_weights times 1 / (non-padding entries of the bag) for the
- * mean; bag_of[p] is the bag that holds position p. */
-static void FN(emb_bag_scales)(const emb_shape *s, const comera_tt_embedding_batch *b,
-                               const REAL *psw, int64_t *bag_of, REAL *scale) {
-    for (int64_t g = 0; g < b->num_bags; g++) {
-        int64_t cnt = 0;
-        for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++)
-            cnt += b->indices[p] != s->padding_idx;
-        REAL inv = b->mode == COMERA_EMB_MEAN && cnt > 0 ? (REAL)1 / (REAL)cnt : (REAL)1;
-        for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++) {
-            bag_of[p] = g;
-            scale[p] = (psw ? psw[p] : (REAL)1) * inv;
-        }
-    }
-}
-
-static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
-                       const REAL *psw, int reuse, const REAL *grad_out,
-                       const REAL *const *cores, const REAL *const *gates,
-                       REAL *const *dcores, REAL *const *dgates, int nthreads) {
-    int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
-    int64_t dim = s->dim, dp = s->dim_pad, nc = s->core_off[d], used = comera_emb_used(b);
-    emb_rows rows;
-    int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
-    if (rc) return rc;
-    int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
-    int direct = !bag && dim == dp; /* grad_out rows are the rows' gradients */
-    /* per thread: states, dR accumulators, the row gradient, a packing
-     * buffer.  Thread 0 accumulates the gated-core gradients straight into
-     * dcores, the others into private copies (priv) added on in thread
-     * order, so the sums do not depend on scheduling. */
-    FN(emb_ctx) ctx0;
-    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 1) + dp;
-    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
-    unsigned char *slice_used = NULL; /* the slices to pack (NULL: all) */
-    /* packed slices and the private gradient copies share one reused block */
-    int cached = 0;
-    int64_t npriv = nc * (nt - 1);
-    REAL *pf = comera_ws_acquire(
-        sizeof(REAL) * (size_t)(s->pf_off[d] + s->pb_off[d] + npriv + 1), &cached);
-    REAL *pb = pf ? pf + s->pf_off[d] : NULL;
-    REAL *priv = pf && nt > 1 ? pb + s->pb_off[d] : NULL;
-    if (priv) memset(priv, 0, sizeof(REAL) * (size_t)npriv);
-    REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
-    int64_t *bag_of = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
-    REAL *scale = bag ? malloc(sizeof(REAL) * (size_t)(used + 1)) : NULL;
-    if (!eff || !pf || !pb || !ws || (nt > 1 && !priv) || (bag && (!bag_of || !scale))) {
-        rc = COMERA_ERR_NOMEM;
-        goto done;
-    }
-    for (int k = 0; k < d; k++)
-        memset(dcores[k], 0, sizeof(REAL) * (size_t)(s->core_off[k + 1] - s->core_off[k]));
-    FN(emb_gated_core0)(s, cores, gates, eff);
-    slice_used = used_slices(s, &rows);
-    rc = FN(emb_pack)(s, cores, gates, slice_used, pf, pb, nthreads);
-    if (rc) goto done;
-    if (bag) FN(emb_bag_scales)(s, b, psw, bag_of, scale);
-#pragma omp parallel num_threads(nt)
-    {
-        /* chunk by the team that actually runs (see emb_fwd); accumulators
-         * of threads that never ran stay zero */
-        int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
-        FN(emb_ctx) ctx;
-        REAL *g = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 1);
-        ctx.eff = eff;
-        ctx.pf = pf;
-        ctx.pb = pb;
-        ctx.last = cores[d - 1];
-        for (int k = 0; k < d; k++)
-            ctx.deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
-        int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
-        for (int64_t u = u0; u < u1; u++) {
-            unravel(s, rows.keys[u], idx);
-            int l = share && u > u0 ? first_diff(d, idx, prev) : 0;
-            if (l > d - 1) l = d - 1;
-            ctx.same_prefix = l == d - 1; /* as in emb_fwd */
-            /* prefixes of length > l end here: flush with the old path */
-            if (u > u0)
-                for (int k = d - 2; k >= l; k--)
-                    FN(emb_flush)(&ctx, prev, k);
-            FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 2, NULL);
-            /* the row's gradient: at one position of a plain lookup that row
-             * of grad_out itself, read in place; else summed over its
-             * positions in order */
-            int64_t j0 = rows.start[u], j1 = rows.start[u + 1];
-            const REAL *X = g;
-            if (direct && j1 - j0 == 1) {
-                if (j1 < rows.start[u1]) FN(prefetch_row)(grad_out + rows.pos[j1] * dim, dim, 0);
-                X = grad_out + rows.pos[j0] * dim;
-            } else {
-                memset(g, 0, sizeof(REAL) * (size_t)dp);
-                for (int64_t j = j0; j < j1; j++) {
-                    int64_t p = rows.pos[j];
-                    const REAL *src = grad_out + (bag ? bag_of[p] : p) * dim;
-                    REAL w = bag ? scale[p] : (REAL)1;
-                    /* positions are in no order, so no hardware prefetcher
-                     * follows them: fetch the next row while this one sums
-                     * (measured: the loads of this loop were its time) */
-                    if (j + 1 < rows.start[u1]) {
-                        int64_t q = rows.pos[j + 1];
-                        FN(prefetch_row)(grad_out + (bag ? bag_of[q] : q) * dim, dim, 0);
-                    }
-                    for (int64_t c = 0; c < dim; c++) g[c] += w * src[c];
-                }
-            }
-            FN(emb_level_bwd)(&ctx, idx, d - 1, X);
-            memcpy(prev, idx, sizeof idx);
-        }
-        if (u1 > u0)
-            for (int k = d - 2; k >= 0; k--)
-                FN(emb_flush)(&ctx, prev, k);
-    }
-    for (int th = 1; th < nt; th++) /* fixed order: reproducible sums */
-        for (int k = 0; k < d; k++) {
-            const REAL *src = priv + nc * (th - 1) + s->core_off[k];
-            REAL *dst = dcores[k];
-            for (int64_t i = 0; i < s->core_off[k + 1] - s->core_off[k]; i++) dst[i] += src[i];
-        }
-    FN(emb_finish_grads)(s, cores, gates, dcores, dgates, slice_used);
-done:
-    if (pf) comera_ws_release(pf, cached);
-    free(eff); free(slice_used); free(ws); free(bag_of); free(scale);
-    comera_emb_rows_free(&rows);
-    return rc;
-}
-
-/* The entry points behind the public wrappers in cpu.c. */
+/* The forward entry point behind the public wrappers in cpu.c. */
 static int FN(emb_fwd_prepared)(const comera_tt_embedding_prep *p,
                                 const comera_tt_embedding_batch *b, const REAL *psw,
                                 const REAL *const *cores, const REAL *const *gates, REAL *out,
                                 int nthreads) {
     return FN(emb_fwd)(&p->shape, b, psw, p->reuse_resolved, cores, gates, out, nthreads);
-}
-
-static int FN(emb_bwd_prepared)(const comera_tt_embedding_prep *p,
-                                const comera_tt_embedding_batch *b, const REAL *psw,
-                                const REAL *grad_out, const REAL *const *cores,
-                                const REAL *const *gates, REAL *const *dcores,
-                                REAL *const *dgates, int nthreads) {
-    return FN(emb_bwd)(&p->shape, b, psw, p->reuse_resolved, grad_out, cores, gates, dcores,
-                       dgates, nthreads);
 }
