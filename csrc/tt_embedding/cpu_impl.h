@@ -177,7 +177,7 @@ static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, c
     int64_t N = s->e[k] * s->r[k + 1], M = s->E[k - 1], rk = s->r[k], ld = s->v[k] * N;
     const REAL *R = FN(emb_prev_state)(c, idx, k);
     REAL *dslice = c->deff[k] + idx[k] * N;
-    if (k == s->d - 1 && s->last_t) {
+    if (k == s->d - 1 && s->last_bwd_t) {
         /* slice gradient transposed: (e x r) = X^T (e x E) times R (E x r) */
         if (!c->same_prefix) FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
         FN(comera_gemm_packed)(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);

@@ -90,9 +90,18 @@ int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
         double transposed = (double)((N + 5) / 6 * 6) * (double)((M + 15) / 16 * 16) * (double)K +
                             (double)(K * ((M + 15) / 16 * 16)) + (double)(M * N);
         s->last_t = transposed < 0.8 * straight;
+        /* the backward's slice gradient: straight (r x e) = R^T X with the
+         * row gradient X packed per row, or transposed (e x r) = X^T R with
+         * R packed (at most once per row), added back transposed */
+        double bwd_straight = (double)((K + 5) / 6 * 6) * (double)((N + 15) / 16 * 16) * (double)M +
+                              (double)(M * ((N + 15) / 16 * 16));
+        double bwd_transposed = (double)((N + 5) / 6 * 6) * (double)((K + 15) / 16 * 16) * (double)M +
+                                (double)(M * ((K + 15) / 16 * 16)) + (double)(K * N);
+        s->last_bwd_t = s->last_t || bwd_transposed < 0.8 * bwd_straight;
         int64_t a = comera_gemm_packed_size(K, M), b = comera_gemm_packed_size(M, K);
-        s->t_pack = s->last_t ? (a > b ? a : b) : 0;
-        s->t_out = s->last_t ? N * (M > K ? M : K) : 0;
+        int any_t = s->last_t || s->last_bwd_t;
+        s->t_pack = any_t ? (a > b ? a : b) : 0;
+        s->t_out = any_t ? N * (M > K ? M : K) : 0;
     }
     /* room for per-thread copies of every workspace, with margin */
     int64_t per = s->core_off[D] + s->acc_off[D - 1] + s->state_off[D - 1] + s->pack_scratch +

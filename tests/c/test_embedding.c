@@ -51,6 +51,9 @@ static const emb_case CASES[] = {
     {"d3 dim mode 1", 3, {3, 2, 4}, {3, 1, 3}, {1, 3, 3, 1}, 20, 9},
     {"d4 TT bound", 4, {2, 2, 2, 2}, {2, 2, 1, 2}, {1, 4, 8, 4, 1}, 16, 8},
     {"d3 r16 wide", 3, {4, 5, 3}, {4, 2, 4}, {1, 16, 12, 1}, 60, 32},
+    /* 64 x 16 states, 12-wide last slices (30522 x 768's last level): the
+     * forward straight, the backward's slice gradient transposed */
+    {"d3 backward-only transposed", 3, {2, 3, 2}, {8, 8, 12}, {1, 16, 16, 1}, 12, 768},
 };
 #define NCASES ((int)(sizeof CASES / sizeof CASES[0]))
 

@@ -131,8 +131,11 @@ typedef struct comera_tt_embedding_shape {
     /* The last level writes only e[d-1] columns (r[d] = 1), which fills a
      * 16-wide panel of the micro-kernel badly when e[d-1] is small; then it
      * runs transposed (rows as columns): last_t = 1, with per-thread room
-     * t_pack for the packed R^T or R and t_out for the transposed result. */
-    int32_t last_t;
+     * t_pack for the packed R^T or R and t_out for the transposed result.
+     * last_bwd_t: the backward's slice gradient of the last level runs
+     * transposed (R packed once per prefix instead of the row gradient per
+     * row); set with last_t, or alone where its own count favours it. */
+    int32_t last_t, last_bwd_t;
     int64_t t_pack, t_out;
     double level_flops[COMERA_MAX_CORES]; /* [0] = 0: R_0 is a slice, no work */
     double row_flops;
