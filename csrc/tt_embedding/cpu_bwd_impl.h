@@ -20,7 +20,7 @@
 /* Grouped only when core 1 has at least this many bytes: then the core-1
  * slices a prefix touches (its gradient, its packed transpose) fall out of
  * a core's L2 between prefixes, and the per-prefix products wait on them
- * (1M x 64 r32, 1.6 MB: 1.7 ms saved of 12 per step); with a smaller core
+ * (1M x 64 r32, 1.6 MB: 1.4 ms saved of 11.8 per step); with a smaller core
  * 1 grouping saved nothing (400 KB, 800 KB) or cost 0.3 ms (200 KB, whose
  * 2.9 MB of slots left the cache). */
 #ifndef COMERA_EMB_GROUP_MIN_CORE_BYTES
@@ -37,14 +37,16 @@ typedef struct FN(emb_group) {
     int64_t *slot;        /* per event: its slot */
     int64_t *slot_i0;     /* per slot: i_0 of its event */
     int64_t *bucket;      /* v[1] + 1 group starts (slots of i_1 = j: bucket[j] .. bucket[j+1]-1) */
-    REAL *dr1;            /* cap slots of E[0] x e[1] r[2] */
+    REAL *dr1;            /* cap slots of E[0] x e[1] r[2] (a reused workspace block) */
+    int dr1_cached;
     REAL *stack, *packed; /* stacked core-0 slices / their gradients; packed stacked dR_1 */
     int64_t chunk;        /* slots per stacked product */
 } FN(emb_group);
 
 static void FN(emb_group_free)(FN(emb_group) *g) {
     free(g->ev_i0); free(g->ev_i1); free(g->slot); free(g->slot_i0); free(g->bucket);
-    free(g->dr1); free(g->stack); free(g->packed);
+    free(g->stack); free(g->packed);
+    if (g->dr1) comera_ws_release(g->dr1, g->dr1_cached);
 }
 
 static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
@@ -60,7 +62,7 @@ static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
     g->slot = malloc(sizeof(int64_t) * (size_t)g->cap);
     g->slot_i0 = malloc(sizeof(int64_t) * (size_t)g->cap);
     g->bucket = malloc(sizeof(int64_t) * (size_t)(s->v[1] + 1));
-    g->dr1 = malloc(sizeof(REAL) * (size_t)(g->cap * M * N));
+    g->dr1 = comera_ws_acquire(sizeof(REAL) * (size_t)(g->cap * M * N), &g->dr1_cached);
     g->stack = malloc(sizeof(REAL) * (size_t)(g->chunk * M * rk));
     g->packed = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(g->chunk * M, N));
     if (!g->ev_i0 || !g->ev_i1 || !g->slot || !g->slot_i0 || !g->bucket || !g->dr1 ||
