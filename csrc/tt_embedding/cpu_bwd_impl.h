@@ -105,7 +105,6 @@ static int64_t FN(emb_group_window)(FN(emb_group) *g, const emb_shape *s, const 
     /* the loop above moved every start to the next group's: shift back */
     for (int64_t j = v1; j > 0; j--) g->bucket[j] = g->bucket[j - 1];
     g->bucket[0] = 0;
-    memset(g->dr1, 0, sizeof(REAL) * (size_t)(g->count * s->E[0] * s->e[1] * s->r[2]));
     return u;
 }
 
@@ -182,8 +181,10 @@ static void FN(emb_bwd_rows)(FN(emb_ctx) *c, const FN(emb_bwd_in) *in, const FN(
         if (u > u0)
             for (int k = d - 2; k >= l; k--)
                 FN(emb_flush)(c, prev, k);
-        if (grp && l <= 1) /* a new level-1 prefix: the window's next event */
+        if (grp && l <= 1) { /* a new level-1 prefix: the window's next event */
             c->acc1 = grp->dr1 + grp->slot[event++] * s->E[0] * s->e[1] * s->r[2];
+            c->acc1_fresh = 1;
+        }
         FN(emb_chain)(c, idx, l < 1 ? 1 : l, d - 2, NULL);
         /* the row's gradient: at one position of a plain lookup that row
          * of grad_out itself, read in place; else summed over its

@@ -107,6 +107,7 @@ typedef struct FN(emb_ctx) {
     int same_prefix;      /* this row's R_{d-2} is the previous row's: tpack holds it packed */
     REAL *acc1;           /* grouped level 1 (backward, see cpu_bwd_impl.h): dR_1 of the
                            * current level-1 prefix, kept for one product per core-1 slice */
+    int acc1_fresh;       /* acc1 not yet written: the first product stores, no zeroing */
     REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
 } FN(emb_ctx);
 
@@ -172,7 +173,7 @@ static void FN(emb_chain)(const FN(emb_ctx) *c, const int64_t *idx, int from, in
 
 /* Backward of level k >= 1 given X = d(R_{k-1} C_k[:, i_k]) (E[k-1] x
  * e[k] r[k+1]): the slice gradient += R_{k-1}^T X, dR_{k-1} += X C_k^T. */
-static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, const REAL *X) {
+static void FN(emb_level_bwd)(FN(emb_ctx) *c, const int64_t *idx, int k, const REAL *X) {
     const emb_shape *s = c->s;
     int64_t N = s->e[k] * s->r[k + 1], M = s->E[k - 1], rk = s->r[k], ld = s->v[k] * N;
     const REAL *R = FN(emb_prev_state)(c, idx, k);
@@ -187,14 +188,20 @@ static void FN(emb_level_bwd)(const FN(emb_ctx) *c, const int64_t *idx, int k, c
         FN(comera_gemm_pack_b)(M, N, X, N, 1, c->pack);
         FN(comera_gemm_packed)(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
     }
-    REAL *dR = k == 2 && c->acc1 ? c->acc1 : c->acc + s->acc_off[k - 1];
+    REAL *dR = c->acc + s->acc_off[k - 1];
+    int mode = COMERA_GEMM_ADD;
+    if (k == 2 && c->acc1) {
+        dR = c->acc1;
+        if (c->acc1_fresh) mode = COMERA_GEMM_STORE;
+        c->acc1_fresh = 0;
+    }
     FN(comera_gemm_packed)(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
-                           dR, rk, 1);
+                           dR, rk, mode);
 }
 
 /* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down
  * (with grouped level 1, levels 1 and 0 wait for the grouped products). */
-static void FN(emb_flush)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
+static void FN(emb_flush)(FN(emb_ctx) *c, const int64_t *idx, int k) {
     const emb_shape *s = c->s;
     if (c->acc1 && k <= 1) return;
     REAL *X = c->acc + s->acc_off[k];
