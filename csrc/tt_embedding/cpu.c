@@ -7,6 +7,7 @@
 #include "common/gemm.h"
 #include "common/workspace.h"
 
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,6 +23,16 @@ static int threads_for(int nthreads, int64_t items, double flops_per_item) {
     if (by_work < nt) nt = by_work < 1.0 ? 1 : (int)by_work;
     if (items < nt) nt = items > 0 ? (int)items : 1;
     return nt;
+}
+
+/* This thread's contiguous chunk [*u0, *u1) of `count` rows.  The team may
+ * be smaller than asked (a nested region runs with one thread), so the
+ * chunks follow the team that actually runs; a thread of an empty chunk
+ * leaves its accumulators at zero. */
+static void thread_rows(int64_t count, int64_t *u0, int64_t *u1) {
+    int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    *u0 = count * tid / team;
+    *u1 = count * (tid + 1) / team;
 }
 
 static void unravel(const emb_shape *s, int64_t t, int64_t *idx) {

@@ -32,6 +32,7 @@
  * for the stacked products. */
 typedef struct FN(emb_group) {
     int64_t cap;          /* slots per window */
+    int64_t slot_len;     /* elements of a slot: dR_1, E[0] x e[1] r[2] */
     int64_t count;        /* events in this window */
     int64_t *ev_i0, *ev_i1; /* per event, in traversal order */
     int64_t *slot;        /* per event: its slot */
@@ -52,7 +53,8 @@ static void FN(emb_group_free)(FN(emb_group) *g) {
 static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
     int64_t M = s->E[0], N = s->e[1] * s->r[2], rk = s->r[1];
     memset(g, 0, sizeof *g);
-    g->cap = COMERA_EMB_GROUP_BYTES / ((int64_t)sizeof(REAL) * M * N);
+    g->slot_len = M * N;
+    g->cap = COMERA_EMB_GROUP_BYTES / ((int64_t)sizeof(REAL) * g->slot_len);
     if (g->cap < 1) g->cap = 1;
     /* stacked products about 256 deep: deep enough for the micro-kernel,
      * small enough that the packed operand stays in cache */
@@ -62,7 +64,7 @@ static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
     g->slot = malloc(sizeof(int64_t) * (size_t)g->cap);
     g->slot_i0 = malloc(sizeof(int64_t) * (size_t)g->cap);
     g->bucket = malloc(sizeof(int64_t) * (size_t)(s->v[1] + 1));
-    g->dr1 = comera_ws_acquire(sizeof(REAL) * (size_t)(g->cap * M * N), &g->dr1_cached);
+    g->dr1 = comera_ws_acquire(sizeof(REAL) * (size_t)(g->cap * g->slot_len), &g->dr1_cached);
     g->stack = malloc(sizeof(REAL) * (size_t)(g->chunk * M * rk));
     g->packed = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(g->chunk * M, N));
     if (!g->ev_i0 || !g->ev_i1 || !g->slot || !g->slot_i0 || !g->bucket || !g->dr1 ||
@@ -119,7 +121,7 @@ static void FN(emb_group_run)(const FN(emb_group) *g, const FN(emb_ctx) *c) {
         for (int64_t a = g->bucket[j]; a < g->bucket[j + 1]; a += g->chunk) {
             int64_t cnt = g->bucket[j + 1] - a < g->chunk ? g->bucket[j + 1] - a : g->chunk;
             int64_t K = cnt * M;
-            const REAL *X = g->dr1 + a * M * N;
+            const REAL *X = g->dr1 + a * g->slot_len;
             for (int64_t q = 0; q < cnt; q++)
                 memcpy(g->stack + q * n0, c->eff + g->slot_i0[a + q] * n0, sizeof(REAL) * (size_t)n0);
             FN(comera_gemm_pack_b)(K, N, X, N, 1, g->packed);
@@ -182,7 +184,7 @@ static void FN(emb_bwd_rows)(FN(emb_ctx) *c, const FN(emb_bwd_in) *in, const FN(
             for (int k = d - 2; k >= l; k--)
                 FN(emb_flush)(c, prev, k);
         if (grp && l <= 1) { /* a new level-1 prefix: the window's next event */
-            c->acc1 = grp->dr1 + grp->slot[event++] * s->E[0] * s->e[1] * s->r[2];
+            c->acc1 = grp->dr1 + grp->slot[event++] * grp->slot_len;
             c->acc1_fresh = 1;
         }
         FN(emb_chain)(c, idx, l < 1 ? 1 : l, d - 2, NULL);
@@ -265,10 +267,9 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     if (bag) FN(emb_bag_scales)(s, b, psw, bag_of, scale);
 #pragma omp parallel num_threads(nt)
     {
-        /* chunk by the team that actually runs (see emb_fwd); accumulators
-         * of threads that never ran stay zero */
-        int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
+        int tid = omp_get_thread_num();
+        int64_t u0, u1;
+        thread_rows(rows.count, &u0, &u1);
         FN(emb_ctx) ctx;
         REAL *g = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 1);
         ctx.eff = eff;

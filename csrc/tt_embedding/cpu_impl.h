@@ -257,10 +257,9 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             if (b->indices[p] == s->padding_idx) memset(out + p * dim, 0, sizeof(REAL) * (size_t)dim);
 #pragma omp parallel num_threads(nt)
     {
-        /* the team may be smaller than nt (a nested region runs with one
-         * thread), so chunk by the team that actually runs */
-        int tid = omp_get_thread_num(), team = omp_get_num_threads();
-        int64_t u0 = rows.count * tid / team, u1 = rows.count * (tid + 1) / team;
+        int tid = omp_get_thread_num();
+        int64_t u0, u1;
+        thread_rows(rows.count, &u0, &u1);
         FN(emb_ctx) ctx;
         REAL *scratch = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 0);
         ctx.eff = eff;

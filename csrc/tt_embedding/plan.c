@@ -16,6 +16,11 @@ static int add_ok(int64_t a, int64_t b, int64_t *out) {
     return !__builtin_add_overflow(a, b, out);
 }
 
+/* Micro-kernel slots of an M x N product K deep: 6-row, 16-column tiles. */
+static double tile_slots(int64_t M, int64_t N, int64_t K) {
+    return (double)((M + 5) / 6 * 6) * (double)((N + 15) / 16 * 16) * (double)K;
+}
+
 int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
     if (!d || !d->row_modes || !d->dim_modes || !d->ranks) return COMERA_ERR_ARG;
     if (d->num_cores < 2 || d->num_cores > COMERA_MAX_CORES) return COMERA_ERR_ARG;
@@ -83,22 +88,19 @@ int comera_emb_shape_build(const comera_tt_embedding_desc *d, emb_shape *s) {
         s->row_flops += s->level_flops[k];
     }
     {
-        /* the last level in micro-kernel slots (a 6 x 16 tile per 6 rows and
-         * 16 columns, times the depth), straight and transposed */
+        /* the last level in micro-kernel slots, straight and transposed
+         * (packing R^T and writing the result back transposed added) */
         int64_t K = s->r[D - 1], M = s->E[D - 2], N = s->e[D - 1];
-        double straight = (double)((M + 5) / 6 * 6) * (double)((N + 15) / 16 * 16) * (double)K;
-        double transposed = (double)((N + 5) / 6 * 6) * (double)((M + 15) / 16 * 16) * (double)K +
-                            (double)(K * ((M + 15) / 16 * 16)) + (double)(M * N);
+        int64_t a = comera_gemm_packed_size(K, M), b = comera_gemm_packed_size(M, K);
+        double straight = tile_slots(M, N, K);
+        double transposed = tile_slots(N, M, K) + (double)a + (double)(M * N);
         s->last_t = transposed < 0.8 * straight;
         /* the backward's slice gradient: straight (r x e) = R^T X with the
          * row gradient X packed per row, or transposed (e x r) = X^T R with
          * R packed (at most once per row), added back transposed */
-        double bwd_straight = (double)((K + 5) / 6 * 6) * (double)((N + 15) / 16 * 16) * (double)M +
-                              (double)(M * ((N + 15) / 16 * 16));
-        double bwd_transposed = (double)((N + 5) / 6 * 6) * (double)((K + 15) / 16 * 16) * (double)M +
-                                (double)(M * ((K + 15) / 16 * 16)) + (double)(K * N);
+        double bwd_straight = tile_slots(K, N, M) + (double)comera_gemm_packed_size(M, N);
+        double bwd_transposed = tile_slots(N, K, M) + (double)b + (double)(K * N);
         s->last_bwd_t = s->last_t || bwd_transposed < 0.8 * bwd_straight;
-        int64_t a = comera_gemm_packed_size(K, M), b = comera_gemm_packed_size(M, K);
         int any_t = s->last_t || s->last_bwd_t;
         s->t_pack = any_t ? (a > b ? a : b) : 0;
         s->t_out = any_t ? N * (M > K ? M : K) : 0;
