@@ -236,14 +236,14 @@ def targets(report):
                f"(wall median): met in {len(met)} of {len(one)} cases "
                f"({'; '.join(met) if met else 'none'}); range {min(u for _, u in one):.2f}x "
                f"to {max(u for _, u in one):.2f}x")
-    # a missed case with its ceiling from the flops alone: the planner's
-    # modelled forward flops, no dedup over dedup + prefixes
+    # a missed case beside the planner's flop ratio (modelled forward flops,
+    # no dedup over dedup + prefixes): the speed-up if time followed flops
     for r in report["configs"]:
         for k, sp in r["speed"].items():
             if k.endswith(" 1 thread") and sp["dedup_speedup"] < 3.0:
                 f = sp["plan"]["flops"]
                 out.append(f"  - missed: {r['table']} r{r['rank']} {k}: "
-                           f"{sp['dedup_speedup']:.2f}x (flops alone, none / dedup + prefixes: "
+                           f"{sp['dedup_speedup']:.2f}x (planner's flops, none / dedup + prefixes: "
                            f"{f['none'] / f['prefix']:.2f}x)")
     for r in report["configs"]:
         if r["table"] != "30522 x 768":
