@@ -1,13 +1,32 @@
-/* TT linear kernels for one element type.  Included by cpu.c once per type
- * with REAL (float or double) and FN(name) (adds _f32 / _f64) defined: C has
- * no templates, and one text for both types keeps them from drifting apart.
- * Everything here is static; the public names are written out in cpu.c. */
+/* TT linear layer, CPU kernels: the body shared by float32 and float64.
+ *
+ * C has no templates, and one text for both element types keeps them from
+ * drifting apart, so this file is compiled twice: cpu_f32.c defines REAL as
+ * float and includes it, cpu_f64.c as double.  Every function here is
+ * static and has its plain name (make_eff, fwd_merge, ...): a name means
+ * the same in both units, and grep finds each definition and call.  The
+ * GEMM is called through the short names of common/gemm_real.h (gemm,
+ * gemm_packed, ...), which resolve to comera_gemm_*_f32 or _f64 with REAL.
+ * The public entry points (comera_tt_linear_fwd_f32, ...) are written out
+ * by name in cpu_f32.c and cpu_f64.c, as thin wrappers of linear_fwd and
+ * linear_bwd at the end of this file.  Checks and planning: plan.c. */
+#ifndef REAL
+#error "define REAL (float or double) before including tt_linear/cpu_impl.h"
+#endif
+
+#include "tt_linear/shape.h"
+#include "common/gemm_real.h"
+#include "common/threads.h"
+#include "common/workspace.h"
+
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* Carves consecutive pieces of n[i] elements, each starting on a 64-byte
  * boundary, out of one workspace block; returns the elements needed when
  * block is NULL. */
-static int64_t FN(carve)(REAL *block, int count, const int64_t *n, REAL **piece) {
+static int64_t carve(REAL *block, int count, const int64_t *n, REAL **piece) {
     int64_t off = 0, line = 64 / (int64_t)sizeof(REAL);
     for (int i = 0; i < count; i++) {
         if (block) piece[i] = block + off;
@@ -17,8 +36,8 @@ static int64_t FN(carve)(REAL *block, int count, const int64_t *n, REAL **piece)
 }
 
 /* core k times its gate on the last rank index; the last core has none */
-static void FN(make_eff)(const tt_shape *s, const REAL *const *cores,
-                         const REAL *const *gates, REAL *eff) {
+static void make_eff(const tt_shape *s, const REAL *const *cores,
+                     const REAL *const *gates, REAL *eff) {
     for (int k = 0; k < s->D; k++) {
         const REAL *c = cores[k];
         REAL *e = eff + s->core_off[k];
@@ -34,9 +53,9 @@ static void FN(make_eff)(const tt_shape *s, const REAL *const *cores,
 }
 
 /* Gradients of the cores and gates from the gradient of the scaled cores. */
-static void FN(eff_grads)(const tt_shape *s, const REAL *const *cores,
-                          const REAL *const *gates, const REAL *deff,
-                          REAL *const *dcores, REAL *const *dgates) {
+static void eff_grads(const tt_shape *s, const REAL *const *cores,
+                      const REAL *const *gates, const REAL *deff,
+                      REAL *const *dcores, REAL *const *dgates) {
     for (int k = 0; k < s->D; k++) {
         const REAL *c = cores[k], *de = deff + s->core_off[k];
         REAL *dc = dcores[k];
@@ -59,15 +78,15 @@ static void FN(eff_grads)(const tt_shape *s, const REAL *const *cores,
 /* P_first = core first; P_k = P_{k-1} (X x r_k) times core k (r_k x n_k r_{k+1}).
  * The last P of the V chain is V (in_pad x r_mid); of the U chain, U
  * (r_mid x out_pad). */
-static int FN(merge_chain)(const tt_shape *s, int first, int last,
-                           const REAL *eff, REAL *P) {
+static int merge_chain(const tt_shape *s, int first, int last,
+                       const REAL *eff, REAL *P) {
     int64_t n0 = s->P_off[first + 1] - s->P_off[first];
     memcpy(P + s->P_off[first], eff + s->core_off[first], sizeof(REAL) * (size_t)n0);
     for (int k = first + 1; k <= last; k++) {
         int64_t X = (s->P_off[k] - s->P_off[k - 1]) / s->r[k];
         int64_t N = s->dims[k] * s->r[k + 1];
-        int rc = FN(comera_gemm)(X, N, s->r[k], P + s->P_off[k - 1], s->r[k], 1,
-                                 eff + s->core_off[k], N, 1, P + s->P_off[k], N, 0);
+        int rc = gemm(X, N, s->r[k], P + s->P_off[k - 1], s->r[k], 1,
+                      eff + s->core_off[k], N, 1, P + s->P_off[k], N, 0);
         if (rc) return rc;
     }
     return COMERA_OK;
@@ -75,19 +94,19 @@ static int FN(merge_chain)(const tt_shape *s, int first, int last,
 
 /* Back through merge_chain: dP holds d(P_last) at its offset on entry and
  * is used as scratch; writes d(eff) of cores first..last. */
-static int FN(merge_chain_bwd)(const tt_shape *s, int first, int last,
-                               const REAL *eff, const REAL *P, REAL *dP,
-                               REAL *deff) {
+static int merge_chain_bwd(const tt_shape *s, int first, int last,
+                           const REAL *eff, const REAL *P, REAL *dP,
+                           REAL *deff) {
     for (int k = last; k > first; k--) {
         int64_t X = (s->P_off[k] - s->P_off[k - 1]) / s->r[k];
         int64_t N = s->dims[k] * s->r[k + 1];
         const REAL *Pprev = P + s->P_off[k - 1];
         const REAL *dPk = dP + s->P_off[k];
-        int rc = FN(comera_gemm)(s->r[k], N, X, Pprev, 1, s->r[k], dPk, N, 1,
-                                 deff + s->core_off[k], N, 0);
+        int rc = gemm(s->r[k], N, X, Pprev, 1, s->r[k], dPk, N, 1,
+                      deff + s->core_off[k], N, 0);
         if (rc) return rc;
-        rc = FN(comera_gemm)(X, s->r[k], N, dPk, N, 1, eff + s->core_off[k], 1, N,
-                             dP + s->P_off[k - 1], s->r[k], 0);
+        rc = gemm(X, s->r[k], N, dPk, N, 1, eff + s->core_off[k], 1, N,
+                  dP + s->P_off[k - 1], s->r[k], 0);
         if (rc) return rc;
     }
     int64_t n0 = s->P_off[first + 1] - s->P_off[first];
@@ -95,12 +114,12 @@ static int FN(merge_chain_bwd)(const tt_shape *s, int first, int last,
     return COMERA_OK;
 }
 
-static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
-                            const REAL *const *gates, REAL *eff, REAL *P) {
-    FN(make_eff)(s, cores, gates, eff);
-    int rc = FN(merge_chain)(s, 0, s->p - 1, eff, P);
+static int build_merges(const tt_shape *s, const REAL *const *cores,
+                        const REAL *const *gates, REAL *eff, REAL *P) {
+    make_eff(s, cores, gates, eff);
+    int rc = merge_chain(s, 0, s->p - 1, eff, P);
     if (rc) return rc;
-    return FN(merge_chain)(s, s->p, s->D - 1, eff, P);
+    return merge_chain(s, s->p, s->D - 1, eff, P);
 }
 
 /* One row block of the merge forward: T = x V, then y = [T | 1] [U; bias],
@@ -108,63 +127,63 @@ static int FN(build_merges)(const tt_shape *s, const REAL *const *cores,
  * over y).  Te is a rb x (r + 1) scratch; without a bias y = T U.  Vk is V
  * packed, or V^T (r x in) when dot: a rank where the packed panels would
  * be mostly padding (comera_gemm_dot_wins). */
-static void FN(fwd_block)(const tt_shape *s, int64_t nr, const REAL *xb, const REAL *Vk,
-                          int dot, const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te,
-                          int ymode) {
+static void fwd_block(const tt_shape *s, int64_t nr, const REAL *xb, const REAL *Vk,
+                      int dot, const REAL *Up, int has_bias, REAL *tb, REAL *yb, REAL *Te,
+                      int ymode) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    if (dot) FN(comera_gemm_dot)(nr, rm, in, xb, in, Vk, in, tb, rm, NULL);
-    else FN(comera_gemm_packed)(nr, rm, in, xb, in, 1, Vk, tb, rm, 0);
+    if (dot) gemm_dot(nr, rm, in, xb, in, Vk, in, tb, rm, NULL);
+    else gemm_packed(nr, rm, in, xb, in, 1, Vk, tb, rm, 0);
     if (!has_bias) {
-        FN(comera_gemm_packed)(nr, out, rm, tb, rm, 1, Up, yb, out, ymode);
+        gemm_packed(nr, out, rm, tb, rm, 1, Up, yb, out, ymode);
         return;
     }
     for (int64_t i = 0; i < nr; i++) {
         memcpy(Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         Te[i * re + rm] = 1;
     }
-    FN(comera_gemm_packed)(nr, out, re, Te, re, 1, Up, yb, out, ymode);
+    gemm_packed(nr, out, re, Te, re, 1, Up, yb, out, ymode);
 }
 
-static int FN(fwd_merge)(const tt_shape *s, int64_t batch, const REAL *x,
-                         const REAL *const *cores, const REAL *const *gates,
-                         const REAL *bias, REAL *y, REAL *t, int nthreads) {
+static int fwd_merge(const tt_shape *s, int64_t batch, const REAL *x,
+                     const REAL *const *cores, const REAL *const *gates,
+                     const REAL *bias, REAL *y, REAL *t, int nthreads) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
-    int nt = threads_for(nthreads, blocks);
+    int nt = comera_threads_for_items(nthreads, blocks);
     /* eff, P, Vp, Up, Te (per thread), Ub: one reused block */
     int64_t n[6] = {s->core_off[s->D], s->P_off[s->D], comera_gemm_packed_size(in, rm),
                     comera_gemm_packed_size(re, out), rb * re * nt, bias ? re * out : 0};
     REAL *part[6];
     int cached = 0;
-    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)FN(carve)(NULL, 6, n, part), &cached);
+    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)carve(NULL, 6, n, part), &cached);
     if (!block) return COMERA_ERR_NOMEM;
-    FN(carve)(block, 6, n, part);
+    carve(block, 6, n, part);
     REAL *eff = part[0], *P = part[1], *Vp = part[2], *Up = part[3], *Te = part[4], *Ub = part[5];
-    int rc = FN(build_merges)(s, cores, gates, eff, P);
+    int rc = build_merges(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        int dot = FN(comera_gemm_dot_wins)(rm);
+        int dot = gemm_dot_wins(rm);
         if (dot)
             for (int64_t c = 0; c < rm; c++)
                 for (int64_t i = 0; i < in; i++) Vp[c * in + i] = V[i * rm + c];
         else
-            FN(comera_gemm_pack_b)(in, rm, V, rm, 1, Vp);
+            gemm_pack_b(in, rm, V, rm, 1, Vp);
         if (bias) {
             /* [U; bias]: U's rows are the panel rows 0..rm-1, the bias row rm */
             for (int64_t c = 0; c < rm; c++)
                 memcpy(Ub + c * out, U + c * s->out_pad, sizeof(REAL) * (size_t)out);
             memcpy(Ub + rm * out, bias, sizeof(REAL) * (size_t)out);
-            FN(comera_gemm_pack_b)(re, out, Ub, out, 1, Up);
+            gemm_pack_b(re, out, Ub, out, 1, Up);
         } else {
-            FN(comera_gemm_pack_b)(rm, out, U, s->out_pad, 1, Up);
+            gemm_pack_b(rm, out, U, s->out_pad, 1, Up);
         }
         int ymode = comera_gemm_store_mode(batch * out * (int64_t)sizeof(REAL));
 #pragma omp parallel for num_threads(nt) schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
-            FN(fwd_block)(s, nr, x + r0 * in, Vp, dot, Up, bias != NULL, t + r0 * rm,
-                          y + r0 * out, Te + rb * re * omp_get_thread_num(), ymode);
+            fwd_block(s, nr, x + r0 * in, Vp, dot, Up, bias != NULL, t + r0 * rm,
+                      y + r0 * out, Te + rb * re * omp_get_thread_num(), ymode);
         }
     }
     comera_ws_release(block, cached);
@@ -188,47 +207,47 @@ typedef struct {
     REAL *Bp;  /* a dy or x block packed */
     int dxmode; /* how dx is stored (comera_gemm_store_mode) */
     const REAL *U; /* when not NULL: S by the dot kernel from U (r x out) */
-} FN(bwd_ws);
+} bwd_ws;
 
-static void FN(bwd_block)(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL *xb,
-                          const REAL *tb, const REAL *UTp, const REAL *VTp, REAL *dxb,
-                          const FN(bwd_ws) *w) {
+static void bwd_block(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL *xb,
+                      const REAL *tb, const REAL *UTp, const REAL *VTp, REAL *dxb,
+                      const bwd_ws *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     /* the dot kernel packs the dy block for dU as it reads it */
-    if (w->U) FN(comera_gemm_dot)(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm, w->Bp);
-    else FN(comera_gemm_packed)(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
-    if (dxb) FN(comera_gemm_packed)(nr, in, rm, w->S, rm, 1, VTp, dxb, in, w->dxmode);
+    if (w->U) gemm_dot(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm, w->Bp);
+    else gemm_packed(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
+    if (dxb) gemm_packed(nr, in, rm, w->S, rm, 1, VTp, dxb, in, w->dxmode);
     for (int64_t i = 0; i < nr; i++) {
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         w->Te[i * re + rm] = 1;
     }
-    if (!w->U) FN(comera_gemm_pack_b)(nr, out, dyb, out, 1, w->Bp);
-    FN(comera_gemm_packed)(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
-    FN(comera_gemm_pack_b)(nr, in, xb, in, 1, w->Bp);
-    FN(comera_gemm_packed)(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);
+    if (!w->U) gemm_pack_b(nr, out, dyb, out, 1, w->Bp);
+    gemm_packed(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
+    gemm_pack_b(nr, in, xb, in, 1, w->Bp);
+    gemm_packed(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);
 }
 
-static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
-                         const REAL *x, const REAL *t, const REAL *const *cores,
-                         const REAL *const *gates, REAL *dx, REAL *const *dcores,
-                         REAL *const *dgates, REAL *dbias, int nthreads) {
+static int bwd_merge(const tt_shape *s, int64_t batch, const REAL *dy,
+                     const REAL *x, const REAL *t, const REAL *const *cores,
+                     const REAL *const *gates, REAL *dx, REAL *const *dcores,
+                     REAL *const *dgates, REAL *dbias, int nthreads) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
-    int nt = threads_for(nthreads, blocks);
+    int nt = comera_threads_for_items(nthreads, blocks);
     int64_t per = out * re + in * rm + rb * rm + rb * re +
                   comera_gemm_packed_size(rb, in > out ? in : out);
     /* S by the dot kernel reads U itself: no packed U^T then */
-    int dot = FN(comera_gemm_dot_wins)(rm);
+    int dot = gemm_dot_wins(rm);
     /* eff, deff, P, dP, UTp, VTp, per-thread ws: one reused block */
     int64_t n[7] = {s->core_off[s->D], s->core_off[s->D], s->P_off[s->D], s->P_off[s->D],
                     dot ? 0 : comera_gemm_packed_size(out, rm), comera_gemm_packed_size(rm, in),
                     per * nt};
     REAL *part[7];
     int cached = 0;
-    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)FN(carve)(NULL, 7, n, part), &cached);
+    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)carve(NULL, 7, n, part), &cached);
     if (!block) return COMERA_ERR_NOMEM;
-    FN(carve)(block, 7, n, part);
+    carve(block, 7, n, part);
     REAL *eff = part[0], *deff = part[1], *P = part[2], *dP = part[3];
     REAL *UTp = part[4], *VTp = part[5], *ws = part[6];
     /* the sums start at zero: d(P) (read at the chain ends) and each
@@ -237,15 +256,15 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
     memset(dP, 0, sizeof(REAL) * (size_t)n[3]);
     for (int th = 0; th < nt; th++)
         memset(ws + per * th, 0, sizeof(REAL) * (size_t)(out * re + in * rm));
-    int rc = FN(build_merges)(s, cores, gates, eff, P);
+    int rc = build_merges(s, cores, gates, eff, P);
     if (!rc) {
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        if (!dot) FN(comera_gemm_pack_b)(out, rm, U, 1, s->out_pad, UTp);
-        FN(comera_gemm_pack_b)(rm, in, V, 1, rm, VTp);
+        if (!dot) gemm_pack_b(out, rm, U, 1, s->out_pad, UTp);
+        gemm_pack_b(rm, in, V, 1, rm, VTp);
 #pragma omp parallel num_threads(nt)
         {
             int tid = omp_get_thread_num();
-            FN(bwd_ws) w;
+            bwd_ws w;
             w.dUe = ws + per * tid;
             w.dVt = w.dUe + re * out;
             w.S = w.dVt + rm * in;
@@ -259,8 +278,8 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
             int team = omp_get_num_threads();
             for (int64_t b = tid; b < blocks; b += team) {
                 int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
-                FN(bwd_block)(s, nr, dy + r0 * out, x + r0 * in, t + r0 * rm, UTp, VTp,
-                              dx ? dx + r0 * in : NULL, &w);
+                bwd_block(s, nr, dy + r0 * out, x + r0 * in, t + r0 * rm, UTp, VTp,
+                          dx ? dx + r0 * in : NULL, &w);
             }
         }
         /* reduce the per-thread sums into d(V) and d(U) at the chain ends */
@@ -276,52 +295,52 @@ static int FN(bwd_merge)(const tt_shape *s, int64_t batch, const REAL *dy,
             if (dbias)
                 for (int64_t j = 0; j < out; j++) dbias[j] += dUe[rm * out + j];
         }
-        rc = FN(merge_chain_bwd)(s, 0, s->p - 1, eff, P, dP, deff);
-        if (!rc) rc = FN(merge_chain_bwd)(s, s->p, s->D - 1, eff, P, dP, deff);
-        if (!rc) FN(eff_grads)(s, cores, gates, deff, dcores, dgates);
+        rc = merge_chain_bwd(s, 0, s->p - 1, eff, P, dP, deff);
+        if (!rc) rc = merge_chain_bwd(s, s->p, s->D - 1, eff, P, dP, deff);
+        if (!rc) eff_grads(s, cores, gates, deff, dcores, dgates);
     }
     comera_ws_release(block, cached);
     return rc;
 }
 
 /* One row through the cores; fills the row's Z and Y states in st. */
-static int FN(seq_row_fwd)(const tt_shape *s, const REAL *xr, const REAL *eff, REAL *st) {
+static int seq_row_fwd(const tt_shape *s, const REAL *xr, const REAL *eff, REAL *st) {
     REAL *Z0 = st + s->Z_off[0];
     memcpy(Z0, xr, sizeof(REAL) * (size_t)s->in);
     for (int64_t i = s->in; i < s->in_pad; i++) Z0[i] = 0;
     for (int k = 0; k < s->p; k++) {
-        int rc = FN(comera_gemm)(s->r[k + 1], s->R[k + 1], s->r[k] * s->dims[k],
-                                 eff + s->core_off[k], 1, s->r[k + 1],
-                                 st + s->Z_off[k], s->R[k + 1], 1,
-                                 st + s->Z_off[k + 1], s->R[k + 1], 0);
+        int rc = gemm(s->r[k + 1], s->R[k + 1], s->r[k] * s->dims[k],
+                      eff + s->core_off[k], 1, s->r[k + 1],
+                      st + s->Z_off[k], s->R[k + 1], 1,
+                      st + s->Z_off[k + 1], s->R[k + 1], 0);
         if (rc) return rc;
     }
     for (int l = 1; l <= s->D - s->p; l++) {
         int c = s->p + l - 1;
         int64_t N = s->dims[c] * s->r[c + 1];
-        int rc = FN(comera_gemm)(s->M[l - 1], N, s->r[c], st + s->Y_off[l - 1], s->r[c], 1,
-                                 eff + s->core_off[c], N, 1, st + s->Y_off[l], N, 0);
+        int rc = gemm(s->M[l - 1], N, s->r[c], st + s->Y_off[l - 1], s->r[c], 1,
+                      eff + s->core_off[c], N, 1, st + s->Y_off[l], N, 0);
         if (rc) return rc;
     }
     return COMERA_OK;
 }
 
-static int FN(fwd_seq)(const tt_shape *s, int64_t batch, const REAL *x,
-                       const REAL *const *cores, const REAL *const *gates,
-                       const REAL *bias, REAL *y, REAL *t, int nthreads) {
-    int nt = threads_for(nthreads, batch);
+static int fwd_seq(const tt_shape *s, int64_t batch, const REAL *x,
+                   const REAL *const *cores, const REAL *const *gates,
+                   const REAL *bias, REAL *y, REAL *t, int nthreads) {
+    int nt = comera_threads_for_items(nthreads, batch);
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
     REAL *ws = malloc(sizeof(REAL) * (size_t)(s->seq_total * nt));
     int rc = (eff && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
     if (!rc) {
-        FN(make_eff)(s, cores, gates, eff);
+        make_eff(s, cores, gates, eff);
         int q = s->D - s->p;
 #pragma omp parallel num_threads(nt)
         {
             REAL *st = ws + s->seq_total * omp_get_thread_num();
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
-                if (FN(seq_row_fwd)(s, x + b * s->in, eff, st)) {
+                if (seq_row_fwd(s, x + b * s->in, eff, st)) {
 #pragma omp atomic write
                     rc = COMERA_ERR_NOMEM;
                     continue;
@@ -337,11 +356,11 @@ static int FN(fwd_seq)(const tt_shape *s, int64_t batch, const REAL *x,
     return rc;
 }
 
-static int FN(bwd_seq)(const tt_shape *s, int64_t batch, const REAL *dy,
-                       const REAL *x, const REAL *const *cores,
-                       const REAL *const *gates, REAL *dx, REAL *const *dcores,
-                       REAL *const *dgates, REAL *dbias, int nthreads) {
-    int nt = threads_for(nthreads, batch);
+static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
+                   const REAL *x, const REAL *const *cores,
+                   const REAL *const *gates, REAL *dx, REAL *const *dcores,
+                   REAL *const *dgates, REAL *dbias, int nthreads) {
+    int nt = comera_threads_for_items(nthreads, batch);
     int64_t nc = s->core_off[s->D];
     /* per thread: states, two gradient scratch states, d(eff), dbias */
     int64_t per = s->seq_total + 2 * s->seq_state_max + nc + s->out;
@@ -349,7 +368,7 @@ static int FN(bwd_seq)(const tt_shape *s, int64_t batch, const REAL *dy,
     REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
     int rc = (eff && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
     if (!rc) {
-        FN(make_eff)(s, cores, gates, eff);
+        make_eff(s, cores, gates, eff);
         int q = s->D - s->p;
 #pragma omp parallel num_threads(nt)
         {
@@ -358,25 +377,25 @@ static int FN(bwd_seq)(const tt_shape *s, int64_t batch, const REAL *dy,
             REAL *de = gb + s->seq_state_max, *db = de + nc;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < batch; b++) {
-                int err = FN(seq_row_fwd)(s, x + b * s->in, eff, st);
+                int err = seq_row_fwd(s, x + b * s->in, eff, st);
                 const REAL *dyr = dy + b * s->out;
                 for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
                 for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
                 for (int l = q; l >= 1 && !err; l--) {
                     int c = s->p + l - 1;
                     int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
-                    err |= FN(comera_gemm)(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
-                                           ga, N, 1, de + s->core_off[c], N, 1);
-                    err |= FN(comera_gemm)(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
-                                           gb, s->r[c], 0);
+                    err |= gemm(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
+                                ga, N, 1, de + s->core_off[c], N, 1);
+                    err |= gemm(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
+                                gb, s->r[c], 0);
                     REAL *tmp = ga; ga = gb; gb = tmp;
                 }
                 for (int k = s->p - 1; k >= 0 && !err; k--) {
                     int64_t Rn = s->R[k + 1], rows = s->r[k] * s->dims[k];
-                    err |= FN(comera_gemm)(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
-                                           ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
-                    err |= FN(comera_gemm)(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
-                                           ga, Rn, 1, gb, Rn, 0);
+                    err |= gemm(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
+                                ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
+                    err |= gemm(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
+                                ga, Rn, 1, gb, Rn, 0);
                     REAL *tmp = ga; ga = gb; gb = tmp;
                 }
                 if (err) {
@@ -397,7 +416,7 @@ static int FN(bwd_seq)(const tt_shape *s, int64_t batch, const REAL *dy,
                     for (int64_t i = 0; i < nc + s->out; i++) dsum[i] += de[i];
                 }
                 if (dbias) memcpy(dbias, dsum + nc, sizeof(REAL) * (size_t)s->out);
-                FN(eff_grads)(s, cores, gates, dsum, dcores, dgates);
+                eff_grads(s, cores, gates, dsum, dcores, dgates);
                 free(dsum);
             }
         }
@@ -406,23 +425,23 @@ static int FN(bwd_seq)(const tt_shape *s, int64_t batch, const REAL *dy,
     return rc;
 }
 
-/* The entry points behind the public wrappers in cpu.c. */
-static int FN(fwd)(const comera_tt_linear_prep *p, const REAL *x, const REAL *const *cores,
-                   const REAL *const *gates, const REAL *bias, REAL *y, REAL *t,
-                   int nthreads) {
+/* The entry points behind the public wrappers in cpu_f32.c and cpu_f64.c. */
+static int linear_fwd(const comera_tt_linear_prep *p, const REAL *x, const REAL *const *cores,
+                      const REAL *const *gates, const REAL *bias, REAL *y, REAL *t,
+                      int nthreads) {
     if (p->batch == 0) return COMERA_OK;
     if (p->path == COMERA_PATH_MERGE)
-        return FN(fwd_merge)(&p->shape, p->batch, x, cores, gates, bias, y, t, nthreads);
-    return FN(fwd_seq)(&p->shape, p->batch, x, cores, gates, bias, y, t, nthreads);
+        return fwd_merge(&p->shape, p->batch, x, cores, gates, bias, y, t, nthreads);
+    return fwd_seq(&p->shape, p->batch, x, cores, gates, bias, y, t, nthreads);
 }
 
-static int FN(bwd)(const comera_tt_linear_prep *p, const REAL *dy, const REAL *x,
-                   const REAL *t, const REAL *const *cores, const REAL *const *gates,
-                   REAL *dx, REAL *const *dcores, REAL *const *dgates, REAL *dbias,
-                   int nthreads) {
+static int linear_bwd(const comera_tt_linear_prep *p, const REAL *dy, const REAL *x,
+                      const REAL *t, const REAL *const *cores, const REAL *const *gates,
+                      REAL *dx, REAL *const *dcores, REAL *const *dgates, REAL *dbias,
+                      int nthreads) {
     if (p->path == COMERA_PATH_MERGE && p->batch > 0)
-        return FN(bwd_merge)(&p->shape, p->batch, dy, x, t, cores, gates, dx, dcores, dgates,
-                             dbias, nthreads);
-    return FN(bwd_seq)(&p->shape, p->batch, dy, x, cores, gates, dx, dcores, dgates, dbias,
-                       nthreads);
+        return bwd_merge(&p->shape, p->batch, dy, x, t, cores, gates, dx, dcores, dgates,
+                         dbias, nthreads);
+    return bwd_seq(&p->shape, p->batch, dy, x, cores, gates, dx, dcores, dgates, dbias,
+                   nthreads);
 }

@@ -1,12 +1,12 @@
 // tt_linear: the TT linear layer (docs/design.md section 2).  This folder
-// holds the whole op: plan.c (checks, shape, planner, prepare), cpu.c (the
-// C kernels, generic text in cpu_impl.h), cuda.cu (the CUDA launchers), and
-// this file, the torch glue for every device, on the LibTorch stable ABI
-// (common/glue.h).
+// holds the whole op: plan.c (checks, shape, planner, prepare), cpu_f32.c
+// and cpu_f64.c (the C kernels, their shared body in cpu_impl.h), cuda.cu
+// (the CUDA launchers), and this file, the torch glue for every device, on
+// the LibTorch stable ABI (common/glue.h).
 //
 // Each op call: check the tensors and prepare once (prepare_linear), allocate
 // the outputs, then call the kernel of the tensors' device: the C kernels
-// (cpu.c) on the CPU, the CUDA launchers (cuda.cu) on torch's current stream
+// (cpu_f32.c, cpu_f64.c) on the CPU, the CUDA launchers (cuda.cu) on torch's current stream
 // with the extension's cuBLAS handle for that stream.  The CUDA path never
 // synchronises with the host, so both ops can be captured in a CUDA graph.
 #include <optional>
@@ -154,7 +154,7 @@ inline LinearGrads empty_linear_grads(const LinearCall &c, bool has_bias, bool n
     };
 }
 
-// ---- CPU kernels (cpu.c)
+// ---- CPU kernels (cpu_f32.c, cpu_f64.c)
 
 template <typename T>
 int forward_cpu(const LinearCall &c, const std::optional<Tensor> &bias, const Tensor &y,

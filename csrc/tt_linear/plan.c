@@ -1,7 +1,7 @@
 /* TT linear layer, device-neutral half: the descriptor checks, the derived
  * sizes (shape.h), the planner, and comera_tt_linear_prepare, which does all
- * of them once per call for the CPU kernels (cpu.c) and the CUDA launchers
- * (cuda.cu).  The math is in docs/design.md section 2. */
+ * of them once per call for the CPU kernels (cpu_f32.c, cpu_f64.c) and the
+ * CUDA launchers (cuda.cu).  The math is in docs/design.md section 2. */
 #include "tt_linear/shape.h"
 
 #include <string.h>
