@@ -1,5 +1,6 @@
-/* TT embedding backward for one element type (included by cpu.c after
- * cpu_impl.h, once per type, with REAL and FN(name) defined).
+/* TT embedding, CPU kernels: the backward of the body shared by float32
+ * and float64 (included after cpu_impl.h, whose top comment says how the
+ * two types share it, by cpu_f32.c and cpu_f64.c).
  *
  * Grouped level 1 (three or more cores, a large core 1; every strategy):
  * the level-1 backward of a level-1 prefix (i_0, i_1) is not run when the
@@ -30,7 +31,7 @@
 /* One thread's grouped level 1: the window's events (one per level-1
  * prefix as the traversal meets it), their slots grouped by i_1, and room
  * for the stacked products. */
-typedef struct FN(emb_group) {
+typedef struct emb_group {
     int64_t cap;          /* slots per window */
     int64_t slot_len;     /* elements of a slot: dR_1, E[0] x e[1] r[2] */
     int64_t count;        /* events in this window */
@@ -42,15 +43,15 @@ typedef struct FN(emb_group) {
     int dr1_cached;
     REAL *stack, *packed; /* stacked core-0 slices / their gradients; packed stacked dR_1 */
     int64_t chunk;        /* slots per stacked product */
-} FN(emb_group);
+} emb_group;
 
-static void FN(emb_group_free)(FN(emb_group) *g) {
+static void emb_group_free(emb_group *g) {
     free(g->ev_i0); free(g->ev_i1); free(g->slot); free(g->slot_i0); free(g->bucket);
     free(g->stack); free(g->packed);
     if (g->dr1) comera_ws_release(g->dr1, g->dr1_cached);
 }
 
-static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
+static int emb_group_init(emb_group *g, const emb_shape *s) {
     int64_t M = s->E[0], N = s->e[1] * s->r[2], rk = s->r[1];
     memset(g, 0, sizeof *g);
     g->slot_len = M * N;
@@ -69,7 +70,7 @@ static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
     g->packed = malloc(sizeof(REAL) * (size_t)comera_gemm_packed_size(g->chunk * M, N));
     if (!g->ev_i0 || !g->ev_i1 || !g->slot || !g->slot_i0 || !g->bucket || !g->dr1 ||
         !g->stack || !g->packed) {
-        FN(emb_group_free)(g);
+        emb_group_free(g);
         return COMERA_ERR_NOMEM;
     }
     return COMERA_OK;
@@ -79,12 +80,12 @@ static int FN(emb_group_init)(FN(emb_group) *g, const emb_shape *s) {
  * one row), each prefix as an event, and the slots grouped by i_1 (events
  * of one i_1 in traversal order).  A window starts every prefix afresh,
  * as a thread's first row does. */
-static int64_t FN(emb_group_window)(FN(emb_group) *g, const emb_shape *s, const emb_rows *rows,
-                                    int share, int64_t u0, int64_t u1) {
+static int64_t emb_group_window(emb_group *g, const emb_shape *s, const emb_rows *rows,
+                                int share, int64_t u0, int64_t u1) {
     int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES] = {0}, u = u0;
     g->count = 0;
     for (; u < u1; u++) {
-        unravel(s, rows->keys[u], idx);
+        emb_unravel(s, rows->keys[u], idx);
         int fresh = u == u0 || !share || idx[0] != prev[0] || idx[1] != prev[1];
         if (fresh) {
             if (g->count == g->cap) break;
@@ -114,7 +115,7 @@ static int64_t FN(emb_group_window)(FN(emb_group) *g, const emb_shape *s, const 
  * up to `chunk` slots: the core-1 slice gradient += R^T X and the core-0
  * slice gradients += X C_1[:, i_1]^T, R the stacked core-0 slices (gated)
  * and X the stacked dR_1. */
-static void FN(emb_group_run)(const FN(emb_group) *g, const FN(emb_ctx) *c) {
+static void emb_group_run(const emb_group *g, const emb_ctx *c) {
     const emb_shape *s = c->s;
     int64_t M = s->E[0], N = s->e[1] * s->r[2], rk = s->r[1], ld = s->v[1] * N, n0 = M * rk;
     for (int64_t j = 0; j < s->v[1]; j++)
@@ -124,11 +125,11 @@ static void FN(emb_group_run)(const FN(emb_group) *g, const FN(emb_ctx) *c) {
             const REAL *X = g->dr1 + a * g->slot_len;
             for (int64_t q = 0; q < cnt; q++)
                 memcpy(g->stack + q * n0, c->eff + g->slot_i0[a + q] * n0, sizeof(REAL) * (size_t)n0);
-            FN(comera_gemm_pack_b)(K, N, X, N, 1, g->packed);
-            FN(comera_gemm_packed)(rk, N, K, g->stack, 1, rk, g->packed, c->deff[1] + j * N, ld,
-                                   COMERA_GEMM_ADD);
-            FN(comera_gemm_packed)(K, rk, N, X, N, 1, c->pb + s->pb_off[1] + j * s->pb_size[1],
-                                   g->stack, rk, COMERA_GEMM_STORE);
+            gemm_pack_b(K, N, X, N, 1, g->packed);
+            gemm_packed(rk, N, K, g->stack, 1, rk, g->packed, c->deff[1] + j * N, ld,
+                        COMERA_GEMM_ADD);
+            gemm_packed(K, rk, N, X, N, 1, c->pb + s->pb_off[1] + j * s->pb_size[1],
+                        g->stack, rk, COMERA_GEMM_STORE);
             for (int64_t q = 0; q < cnt; q++) {
                 REAL *dst = c->deff[0] + g->slot_i0[a + q] * n0;
                 const REAL *src = g->stack + q * n0;
@@ -140,8 +141,8 @@ static void FN(emb_group_run)(const FN(emb_group) *g, const FN(emb_ctx) *c) {
 /* Per-position weight of the output gradient in bag modes:
  * per_sample_weights times 1 / (non-padding entries of the bag) for the
  * mean; bag_of[p] is the bag that holds position p. */
-static void FN(emb_bag_scales)(const emb_shape *s, const comera_tt_embedding_batch *b,
-                               const REAL *psw, int64_t *bag_of, REAL *scale) {
+static void emb_bag_scales(const emb_shape *s, const comera_tt_embedding_batch *b,
+                           const REAL *psw, int64_t *bag_of, REAL *scale) {
     for (int64_t g = 0; g < b->num_bags; g++) {
         int64_t cnt = 0;
         for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++)
@@ -155,46 +156,46 @@ static void FN(emb_bag_scales)(const emb_shape *s, const comera_tt_embedding_bat
 }
 
 /* What the per-row backward reads besides the context. */
-typedef struct FN(emb_bwd_in) {
+typedef struct emb_bwd_in {
     const emb_rows *rows;
     const REAL *grad_out;
     const int64_t *bag_of; /* bag modes: the bag of each position, and its weight */
     const REAL *scale;
     int share, direct, bag;
     int64_t dim, dim_pad;
-} FN(emb_bwd_in);
+} emb_bwd_in;
 
 /* Rows u0..u1-1 (one thread's chunk, or a window of it): each row's
  * gradient into the last level, prefixes flushed as they end and all of
  * them at u1.  With grp, each level-1 prefix accumulates its dR_1 in its
  * slot for emb_group_run.  g is the thread's row buffer. */
-static void FN(emb_bwd_rows)(FN(emb_ctx) *c, const FN(emb_bwd_in) *in, const FN(emb_group) *grp,
-                             REAL *g, int64_t u0, int64_t u1) {
+static void emb_bwd_rows(emb_ctx *c, const emb_bwd_in *in, const emb_group *grp,
+                         REAL *g, int64_t u0, int64_t u1) {
     const emb_shape *s = c->s;
     const emb_rows *rows = in->rows;
     int d = s->d;
     int64_t dim = in->dim, idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES], event = 0;
     for (int64_t u = u0; u < u1; u++) {
-        unravel(s, rows->keys[u], idx);
-        int l = in->share && u > u0 ? first_diff(d, idx, prev) : 0;
+        emb_unravel(s, rows->keys[u], idx);
+        int l = in->share && u > u0 ? emb_first_diff(d, idx, prev) : 0;
         if (l > d - 1) l = d - 1;
         c->same_prefix = l == d - 1; /* as in emb_fwd */
         /* prefixes of length > l end here: flush with the old path */
         if (u > u0)
             for (int k = d - 2; k >= l; k--)
-                FN(emb_flush)(c, prev, k);
+                emb_flush(c, prev, k);
         if (grp && l <= 1) { /* a new level-1 prefix: the window's next event */
             c->acc1 = grp->dr1 + grp->slot[event++] * grp->slot_len;
             c->acc1_fresh = 1;
         }
-        FN(emb_chain)(c, idx, l < 1 ? 1 : l, d - 2, NULL);
+        emb_chain(c, idx, l < 1 ? 1 : l, d - 2, NULL);
         /* the row's gradient: at one position of a plain lookup that row
          * of grad_out itself, read in place; else summed over its
          * positions in order */
         int64_t j0 = rows->start[u], j1 = rows->start[u + 1];
         const REAL *X = g;
         if (in->direct && j1 - j0 == 1) {
-            if (j1 < rows->start[u1]) FN(prefetch_row)(in->grad_out + rows->pos[j1] * dim, dim, 0);
+            if (j1 < rows->start[u1]) prefetch_row(in->grad_out + rows->pos[j1] * dim, dim, 0);
             X = in->grad_out + rows->pos[j0] * dim;
         } else {
             memset(g, 0, sizeof(REAL) * (size_t)in->dim_pad);
@@ -207,30 +208,30 @@ static void FN(emb_bwd_rows)(FN(emb_ctx) *c, const FN(emb_bwd_in) *in, const FN(
                  * (measured: the loads of this loop were its time) */
                 if (j + 1 < rows->start[u1]) {
                     int64_t q = rows->pos[j + 1];
-                    FN(prefetch_row)(in->grad_out + (in->bag ? in->bag_of[q] : q) * dim, dim, 0);
+                    prefetch_row(in->grad_out + (in->bag ? in->bag_of[q] : q) * dim, dim, 0);
                 }
                 for (int64_t k = 0; k < dim; k++) g[k] += w * src[k];
             }
         }
-        FN(emb_level_bwd)(c, idx, d - 1, X);
+        emb_level_bwd(c, idx, d - 1, X);
         memcpy(prev, idx, sizeof idx);
     }
     if (u1 > u0)
         for (int k = d - 2; k >= 0; k--)
-            FN(emb_flush)(c, prev, k);
+            emb_flush(c, prev, k);
     c->acc1 = NULL;
 }
 
-static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
-                       const REAL *psw, int reuse, const REAL *grad_out,
-                       const REAL *const *cores, const REAL *const *gates,
-                       REAL *const *dcores, REAL *const *dgates, int nthreads) {
+static int emb_bwd(const emb_shape *s, const comera_tt_embedding_batch *b,
+                   const REAL *psw, int reuse, const REAL *grad_out,
+                   const REAL *const *cores, const REAL *const *gates,
+                   REAL *const *dcores, REAL *const *dgates, int nthreads) {
     int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
     int64_t dim = s->dim, dp = s->dim_pad, nc = s->core_off[d], used = comera_emb_used(b);
     emb_rows rows;
     int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
-    int nt = threads_for(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
+    int nt = comera_threads_for_work(nthreads, rows.count, 3.0 * s->row_flops + 4.0 * (double)dp);
     int direct = !bag && dim == dp; /* grad_out rows are the rows' gradients */
     /* grouped level 1: see the top of this file */
     int grouped = d >= 3 && (s->core_off[2] - s->core_off[1]) * (int64_t)sizeof(REAL) >=
@@ -239,8 +240,8 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
      * buffer.  Thread 0 accumulates the gated-core gradients straight into
      * dcores, the others into private copies (priv) added on in thread
      * order, so the sums do not depend on scheduling. */
-    FN(emb_ctx) ctx0;
-    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 1) + dp;
+    emb_ctx ctx0;
+    int64_t per = emb_ctx_init(&ctx0, s, NULL, 1) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     unsigned char *slice_used = NULL; /* the slices to pack (NULL: all) */
     /* packed slices and the private gradient copies share one reused block */
@@ -260,39 +261,39 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     }
     for (int k = 0; k < d; k++)
         memset(dcores[k], 0, sizeof(REAL) * (size_t)(s->core_off[k + 1] - s->core_off[k]));
-    FN(emb_gated_core0)(s, cores, gates, eff);
-    slice_used = used_slices(s, &rows);
-    rc = FN(emb_pack)(s, cores, gates, slice_used, pf, pb, nthreads);
+    emb_gated_core0(s, cores, gates, eff);
+    slice_used = comera_emb_used_slices(s, &rows);
+    rc = emb_pack(s, cores, gates, slice_used, pf, pb, nthreads);
     if (rc) goto done;
-    if (bag) FN(emb_bag_scales)(s, b, psw, bag_of, scale);
+    if (bag) emb_bag_scales(s, b, psw, bag_of, scale);
 #pragma omp parallel num_threads(nt)
     {
         int tid = omp_get_thread_num();
         int64_t u0, u1;
-        thread_rows(rows.count, &u0, &u1);
-        FN(emb_ctx) ctx;
-        REAL *g = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 1);
+        comera_thread_rows(rows.count, &u0, &u1);
+        emb_ctx ctx;
+        REAL *g = ws + per * tid + emb_ctx_init(&ctx, s, ws + per * tid, 1);
         ctx.eff = eff;
         ctx.pf = pf;
         ctx.pb = pb;
         ctx.last = cores[d - 1];
         for (int k = 0; k < d; k++)
             ctx.deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
-        FN(emb_bwd_in) in = {&rows, grad_out, bag_of, scale, share, direct, bag, dim, dp};
+        emb_bwd_in in = {&rows, grad_out, bag_of, scale, share, direct, bag, dim, dp};
         if (!grouped) {
-            FN(emb_bwd_rows)(&ctx, &in, NULL, g, u0, u1);
+            emb_bwd_rows(&ctx, &in, NULL, g, u0, u1);
         } else {
-            FN(emb_group) grp;
-            if (FN(emb_group_init)(&grp, s)) {
+            emb_group grp;
+            if (emb_group_init(&grp, s)) {
 #pragma omp atomic write
                 rc = COMERA_ERR_NOMEM;
             } else {
                 for (int64_t w0 = u0, w1; w0 < u1; w0 = w1) {
-                    w1 = FN(emb_group_window)(&grp, s, &rows, share, w0, u1);
-                    FN(emb_bwd_rows)(&ctx, &in, &grp, g, w0, w1);
-                    FN(emb_group_run)(&grp, &ctx);
+                    w1 = emb_group_window(&grp, s, &rows, share, w0, u1);
+                    emb_bwd_rows(&ctx, &in, &grp, g, w0, w1);
+                    emb_group_run(&grp, &ctx);
                 }
-                FN(emb_group_free)(&grp);
+                emb_group_free(&grp);
             }
         }
     }
@@ -302,20 +303,10 @@ static int FN(emb_bwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             REAL *dst = dcores[k];
             for (int64_t i = 0; i < s->core_off[k + 1] - s->core_off[k]; i++) dst[i] += src[i];
         }
-    FN(emb_finish_grads)(s, cores, gates, dcores, dgates, slice_used);
+    emb_finish_grads(s, cores, gates, dcores, dgates, slice_used);
 done:
     if (pf) comera_ws_release(pf, cached);
     free(eff); free(slice_used); free(ws); free(bag_of); free(scale);
     comera_emb_rows_free(&rows);
     return rc;
-}
-
-/* The backward entry point behind the public wrappers in cpu.c. */
-static int FN(emb_bwd_prepared)(const comera_tt_embedding_prep *p,
-                                const comera_tt_embedding_batch *b, const REAL *psw,
-                                const REAL *grad_out, const REAL *const *cores,
-                                const REAL *const *gates, REAL *const *dcores,
-                                REAL *const *dgates, int nthreads) {
-    return FN(emb_bwd)(&p->shape, b, psw, p->reuse_resolved, grad_out, cores, gates, dcores,
-                       dgates, nthreads);
 }

@@ -1,12 +1,32 @@
-/* TT embedding kernels for one element type.  Included by cpu.c once per
- * type with REAL (float or double) and FN(name) (adds _f32 / _f64) defined:
- * one text for both types keeps them from drifting apart.  Everything here
- * is static; the public names are written out in cpu.c. */
+/* TT embedding, CPU kernels: the body shared by float32 and float64 (the
+ * forward here, the backward in cpu_bwd_impl.h).
+ *
+ * C has no templates, and one text for both element types keeps them from
+ * drifting apart, so the body is compiled twice: cpu_f32.c defines REAL as
+ * float and includes both files, cpu_f64.c as double.  Every function here
+ * is static and has its plain name (emb_chain, emb_fwd, ...): a name means
+ * the same in both units, and grep finds each definition and call.  The
+ * GEMM is called through the short names of common/gemm_real.h (gemm_packed,
+ * gemm_pack_b, ...), which resolve to comera_gemm_*_f32 or _f64 with REAL.
+ * The public entry points (comera_tt_embedding_fwd_f32, ...) are written out
+ * by name in cpu_f32.c and cpu_f64.c, as thin wrappers of emb_fwd and
+ * emb_bwd.  Checks, index grouping and the planner are in plan.c. */
+#ifndef REAL
+#error "define REAL (float or double) before including tt_embedding/cpu_impl.h"
+#endif
+
+#include "tt_embedding/shape.h"
+#include "common/gemm_real.h"
+#include "common/threads.h"
+#include "common/workspace.h"
+
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* Asks for a row of n values ahead of its use (to read, or to write when
  * `write`), one request per cache line. */
-static inline void FN(prefetch_row)(const REAL *row, int64_t n, int write) {
+static inline void prefetch_row(const REAL *row, int64_t n, int write) {
     for (int64_t c = 0; c < n; c += 64 / (int64_t)sizeof(REAL)) {
         if (write) __builtin_prefetch(row + c, 1);
         else __builtin_prefetch(row + c, 0);
@@ -14,8 +34,8 @@ static inline void FN(prefetch_row)(const REAL *row, int64_t n, int write) {
 }
 
 /* Core 0 times gate 0: its slices are the rows' first partial products. */
-static void FN(emb_gated_core0)(const emb_shape *s, const REAL *const *cores,
-                                const REAL *const *gates, REAL *eff0) {
+static void emb_gated_core0(const emb_shape *s, const REAL *const *cores,
+                            const REAL *const *gates, REAL *eff0) {
     int64_t cols = s->r[1], rows = s->core_off[1] / cols;
     for (int64_t i = 0; i < rows; i++)
         for (int64_t j = 0; j < cols; j++) eff0[i * cols + j] = cores[0][i * cols + j] * gates[0][j];
@@ -23,12 +43,12 @@ static void FN(emb_gated_core0)(const emb_shape *s, const REAL *const *cores,
 
 /* In place: dcores[k] holds the gradient of the gated core k on entry and
  * the gradient of core k on exit; dgates[k] is overwritten.  Only the
- * slices flagged in `used` (all when it is NULL: see used_slices) hold
- * anything else than zeros, so only they are visited: a one-index
+ * slices flagged in `used` (all when it is NULL: comera_emb_used_slices)
+ * hold anything else than zeros, so only they are visited: a one-index
  * backward does not sweep whole cores. */
-static void FN(emb_finish_grads)(const emb_shape *s, const REAL *const *cores,
-                                 const REAL *const *gates, REAL *const *dcores,
-                                 REAL *const *dgates, const unsigned char *used) {
+static void emb_finish_grads(const emb_shape *s, const REAL *const *cores,
+                             const REAL *const *gates, REAL *const *dcores,
+                             REAL *const *dgates, const unsigned char *used) {
     int64_t used_off = 0;
     for (int k = 0; k < s->d - 1; used_off += s->v[k], k++) {
         const REAL *c = cores[k], *g = gates[k];
@@ -50,20 +70,21 @@ static void FN(emb_finish_grads)(const emb_shape *s, const REAL *const *cores,
 }
 
 /* Packs the gated slices C_k[:, i] of cores 1..d-1 once per call (those
- * flagged in `used`, or all when it is NULL: see used_slices), so the
- * per-row products run on the micro-kernel without packing: pf as the
+ * flagged in `used`, or all when it is NULL: comera_emb_used_slices), so
+ * the per-row products run on the micro-kernel without packing: pf as the
  * forward B operand (r[k] x e[k] r[k+1]), pb (if not NULL) transposed for
  * the backward.  Returns COMERA_ERR_NOMEM if a scratch slice cannot be
  * allocated. */
-static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL *const *gates,
-                        const unsigned char *used, REAL *pf, REAL *pb, int nthreads) {
+static int emb_pack(const emb_shape *s, const REAL *const *cores, const REAL *const *gates,
+                    const unsigned char *used, REAL *pf, REAL *pb, int nthreads) {
     int rc = COMERA_OK;
     int64_t used_off = s->v[0];
     for (int k = 1; k < s->d; used_off += s->v[k], k++) {
         const unsigned char *use = used ? used + used_off : NULL;
         int64_t K = s->r[k], rr = s->r[k + 1], N = s->e[k] * rr, rs = s->v[k] * N;
         const REAL *core = cores[k], *g = k < s->d - 1 ? gates[k] : NULL;
-        int nt = threads_for(nthreads, s->v[k], (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0)));
+        double flops = (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0));
+        int nt = comera_threads_for_work(nthreads, s->v[k], flops);
 #pragma omp parallel num_threads(nt)
         {
             REAL *slice = malloc(sizeof(REAL) * (size_t)(K * N));
@@ -84,9 +105,9 @@ static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL
                     for (int64_t n0 = 0; n0 < N; n0 += rr)
                         for (int64_t j = 0; j < rr; j++) dst[n0 + j] = src[n0 + j] * g[j];
                 }
-                FN(comera_gemm_pack_b)(K, N, slice, N, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
+                gemm_pack_b(K, N, slice, N, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
                 if (pb)
-                    FN(comera_gemm_pack_b)(N, K, slice, 1, N, pb + s->pb_off[k] + i * s->pb_size[k]);
+                    gemm_pack_b(N, K, slice, 1, N, pb + s->pb_off[k] + i * s->pb_size[k]);
             }
             free(slice);
         }
@@ -95,7 +116,7 @@ static int FN(emb_pack)(const emb_shape *s, const REAL *const *cores, const REAL
 }
 
 /* What one thread's per-row work reads and writes. */
-typedef struct FN(emb_ctx) {
+typedef struct emb_ctx {
     const emb_shape *s;
     const REAL *eff;      /* gated core 0 */
     const REAL *pf, *pb;  /* packed slices of cores 1..d-1 */
@@ -109,13 +130,13 @@ typedef struct FN(emb_ctx) {
                            * current level-1 prefix, kept for one product per core-1 slice */
     int acc1_fresh;       /* acc1 not yet written: the first product stores, no zeroing */
     REAL *deff[COMERA_MAX_CORES]; /* gated-core gradient accumulators (backward) */
-} FN(emb_ctx);
+} emb_ctx;
 
 /* Carves one thread's scratch out of ws: states, then (backward only)
  * accumulators and the packing buffer, then the transposed-level buffers.
  * Returns the number of elements used; the same call with ws == NULL
  * sizes it. */
-static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, int backward) {
+static int64_t emb_ctx_init(emb_ctx *c, const emb_shape *s, REAL *ws, int backward) {
     int d = s->d;
     int64_t off = 0;
     memset(c, 0, sizeof *c);
@@ -136,57 +157,57 @@ static int64_t FN(emb_ctx_init)(FN(emb_ctx) *c, const emb_shape *s, REAL *ws, in
 }
 
 /* R_{k-1} of the row with multi-index idx: a slice of core 0, or a state. */
-static const REAL *FN(emb_prev_state)(const FN(emb_ctx) *c, const int64_t *idx, int k) {
+static const REAL *emb_prev_state(const emb_ctx *c, const int64_t *idx, int k) {
     const emb_shape *s = c->s;
     return k == 1 ? c->eff + idx[0] * s->e[0] * s->r[1] : c->state + s->state_off[k - 1];
 }
 
 /* The last level transposed: row^T (e x E) = C_{d-1}[:, i]^T (e x r) times
  * R^T (r x E), then transposed into dst (E x e). */
-static void FN(emb_last_fwd_t)(const FN(emb_ctx) *c, const int64_t *idx, REAL *dst) {
+static void emb_last_fwd_t(const emb_ctx *c, const int64_t *idx, REAL *dst) {
     const emb_shape *s = c->s;
     int k = s->d - 1;
     int64_t K = s->r[k], M = s->E[k - 1], N = s->e[k];
-    const REAL *R = FN(emb_prev_state)(c, idx, k);
-    if (!c->same_prefix) FN(comera_gemm_pack_b)(K, M, R, 1, K, c->tpack);
-    FN(comera_gemm_packed)(N, M, K, c->last + idx[k] * N, 1, s->v[k] * N, c->tpack, c->tout, M, 0);
+    const REAL *R = emb_prev_state(c, idx, k);
+    if (!c->same_prefix) gemm_pack_b(K, M, R, 1, K, c->tpack);
+    gemm_packed(N, M, K, c->last + idx[k] * N, 1, s->v[k] * N, c->tpack, c->tout, M, 0);
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < N; j++) dst[m * N + j] = c->tout[j * M + m];
 }
 
 /* Levels from..to of the chain for row idx: R_k = R_{k-1} C_k[:, i_k];
  * level d-1 writes the row (dim_pad entries) to dst. */
-static void FN(emb_chain)(const FN(emb_ctx) *c, const int64_t *idx, int from, int to, REAL *dst) {
+static void emb_chain(const emb_ctx *c, const int64_t *idx, int from, int to, REAL *dst) {
     const emb_shape *s = c->s;
     for (int k = from; k <= to; k++) {
         if (k == s->d - 1 && s->last_t) {
-            FN(emb_last_fwd_t)(c, idx, dst);
+            emb_last_fwd_t(c, idx, dst);
             continue;
         }
-        const REAL *A = FN(emb_prev_state)(c, idx, k);
+        const REAL *A = emb_prev_state(c, idx, k);
         REAL *C = k == s->d - 1 ? dst : c->state + s->state_off[k];
         int64_t N = s->e[k] * s->r[k + 1];
-        FN(comera_gemm_packed)(s->E[k - 1], N, s->r[k], A, s->r[k], 1,
-                               c->pf + s->pf_off[k] + idx[k] * s->pf_size[k], C, N, 0);
+        gemm_packed(s->E[k - 1], N, s->r[k], A, s->r[k], 1,
+                    c->pf + s->pf_off[k] + idx[k] * s->pf_size[k], C, N, 0);
     }
 }
 
 /* Backward of level k >= 1 given X = d(R_{k-1} C_k[:, i_k]) (E[k-1] x
  * e[k] r[k+1]): the slice gradient += R_{k-1}^T X, dR_{k-1} += X C_k^T. */
-static void FN(emb_level_bwd)(FN(emb_ctx) *c, const int64_t *idx, int k, const REAL *X) {
+static void emb_level_bwd(emb_ctx *c, const int64_t *idx, int k, const REAL *X) {
     const emb_shape *s = c->s;
     int64_t N = s->e[k] * s->r[k + 1], M = s->E[k - 1], rk = s->r[k], ld = s->v[k] * N;
-    const REAL *R = FN(emb_prev_state)(c, idx, k);
+    const REAL *R = emb_prev_state(c, idx, k);
     REAL *dslice = c->deff[k] + idx[k] * N;
     if (k == s->d - 1 && s->last_bwd_t) {
         /* slice gradient transposed: (e x r) = X^T (e x E) times R (E x r) */
-        if (!c->same_prefix) FN(comera_gemm_pack_b)(M, rk, R, rk, 1, c->tpack);
-        FN(comera_gemm_packed)(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);
+        if (!c->same_prefix) gemm_pack_b(M, rk, R, rk, 1, c->tpack);
+        gemm_packed(N, rk, M, X, 1, N, c->tpack, c->tout, rk, 0);
         for (int64_t a = 0; a < rk; a++)
             for (int64_t j = 0; j < N; j++) dslice[a * ld + j] += c->tout[j * rk + a];
     } else {
-        FN(comera_gemm_pack_b)(M, N, X, N, 1, c->pack);
-        FN(comera_gemm_packed)(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
+        gemm_pack_b(M, N, X, N, 1, c->pack);
+        gemm_packed(rk, N, M, R, 1, rk, c->pack, dslice, ld, 1);
     }
     REAL *dR = c->acc + s->acc_off[k - 1];
     int mode = COMERA_GEMM_ADD;
@@ -195,13 +216,13 @@ static void FN(emb_level_bwd)(FN(emb_ctx) *c, const int64_t *idx, int k, const R
         if (c->acc1_fresh) mode = COMERA_GEMM_STORE;
         c->acc1_fresh = 0;
     }
-    FN(comera_gemm_packed)(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
-                           dR, rk, mode);
+    gemm_packed(M, rk, N, X, N, 1, c->pb + s->pb_off[k] + idx[k] * s->pb_size[k],
+                dR, rk, mode);
 }
 
 /* The prefix (i_0..i_k) ends: push its accumulated dR_k one level down
  * (with grouped level 1, levels 1 and 0 wait for the grouped products). */
-static void FN(emb_flush)(FN(emb_ctx) *c, const int64_t *idx, int k) {
+static void emb_flush(emb_ctx *c, const int64_t *idx, int k) {
     const emb_shape *s = c->s;
     if (c->acc1 && k <= 1) return;
     REAL *X = c->acc + s->acc_off[k];
@@ -210,20 +231,20 @@ static void FN(emb_flush)(FN(emb_ctx) *c, const int64_t *idx, int k) {
         REAL *slice = c->deff[0] + idx[0] * n;
         for (int64_t i = 0; i < n; i++) slice[i] += X[i];
     } else {
-        FN(emb_level_bwd)(c, idx, k, X);
+        emb_level_bwd(c, idx, k, X);
     }
     memset(X, 0, sizeof(REAL) * (size_t)n);
 }
 
-static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
-                       const REAL *psw, int reuse, const REAL *const *cores,
-                       const REAL *const *gates, REAL *out, int nthreads) {
+static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
+                   const REAL *psw, int reuse, const REAL *const *cores,
+                   const REAL *const *gates, REAL *out, int nthreads) {
     int d = s->d, bag = b->mode != COMERA_EMB_PLAIN, share = reuse == COMERA_REUSE_PREFIX;
     int64_t dim = s->dim, dp = s->dim_pad, used = comera_emb_used(b);
     emb_rows rows;
     int rc = comera_emb_rows_build(s, b, reuse != COMERA_REUSE_NONE, &rows);
     if (rc) return rc;
-    int nt = threads_for(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
+    int nt = comera_threads_for_work(nthreads, rows.count, s->row_flops + 2.0 * (double)dp);
     int direct = !bag && dim == dp; /* rows land straight in the output */
     /* a row's further positions of an output larger than the cache are
      * copied with streaming stores: no read of lines about to be overwritten */
@@ -235,8 +256,8 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
      * lines: 30522 x 768 rank 16 Zipf, 1 thread, 0.1 to 0.4 ms of 14);
      * unsorted rows (NONE) go in position order, in place */
     int inplace = direct && !(rows.sorted && copy_mode == COMERA_GEMM_STREAM);
-    FN(emb_ctx) ctx0;
-    int64_t per = FN(emb_ctx_init)(&ctx0, s, NULL, 0) + dp;
+    emb_ctx ctx0;
+    int64_t per = emb_ctx_init(&ctx0, s, NULL, 0) + dp;
     REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
     unsigned char *slice_used = NULL; /* the slices to pack (NULL: all) */
     int cached = 0;
@@ -248,9 +269,9 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         rc = COMERA_ERR_NOMEM;
         goto done;
     }
-    FN(emb_gated_core0)(s, cores, gates, eff);
-    slice_used = used_slices(s, &rows);
-    rc = FN(emb_pack)(s, cores, gates, slice_used, pf, NULL, nthreads);
+    emb_gated_core0(s, cores, gates, eff);
+    slice_used = comera_emb_used_slices(s, &rows);
+    rc = emb_pack(s, cores, gates, slice_used, pf, NULL, nthreads);
     if (rc) goto done;
     if (!bag && s->padding_idx >= 0)
         for (int64_t p = 0; p < b->n; p++)
@@ -259,16 +280,16 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
     {
         int tid = omp_get_thread_num();
         int64_t u0, u1;
-        thread_rows(rows.count, &u0, &u1);
-        FN(emb_ctx) ctx;
-        REAL *scratch = ws + per * tid + FN(emb_ctx_init)(&ctx, s, ws + per * tid, 0);
+        comera_thread_rows(rows.count, &u0, &u1);
+        emb_ctx ctx;
+        REAL *scratch = ws + per * tid + emb_ctx_init(&ctx, s, ws + per * tid, 0);
         ctx.eff = eff;
         ctx.pf = pf;
         ctx.last = cores[d - 1];
         int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
         for (int64_t u = u0; u < u1; u++) {
-            unravel(s, rows.keys[u], idx);
-            int l = share && u > u0 ? first_diff(d, idx, prev) : 0;
+            emb_unravel(s, rows.keys[u], idx);
+            int l = share && u > u0 ? emb_first_diff(d, idx, prev) : 0;
             if (l > d - 1) l = d - 1;
             /* rows of one prefix (sorted, same thread) share R_{d-2}: the
              * transposed last level packs it once for them all */
@@ -277,13 +298,13 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
             REAL *dst = bag ? rowbuf + u * dp : inplace ? out + ps[0] * dim : scratch;
             /* output rows are written in no order: fetch the next ones */
             if (!bag && (inplace || copy_mode != COMERA_GEMM_STREAM) && u + 1 < u1)
-                FN(prefetch_row)(out + rows.pos[rows.start[u + 1]] * dim, dim, 1);
-            FN(emb_chain)(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
+                prefetch_row(out + rows.pos[rows.start[u + 1]] * dim, dim, 1);
+            emb_chain(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
             if (!bag)
                 for (const int64_t *p = ps + inplace; p < pe; p++) {
                     if (p + 1 < pe && copy_mode != COMERA_GEMM_STREAM)
-                        FN(prefetch_row)(out + p[1] * dim, dim, 1);
-                    FN(comera_copy)(out + *p * dim, dst, dim, copy_mode);
+                        prefetch_row(out + p[1] * dim, dim, 1);
+                    gemm_copy(out + *p * dim, dst, dim, copy_mode);
                 }
             memcpy(prev, idx, sizeof idx);
         }
@@ -294,7 +315,7 @@ static int FN(emb_fwd)(const emb_shape *s, const comera_tt_embedding_batch *b,
         for (int64_t u = 0; u < rows.count; u++)
             for (int64_t j = rows.start[u]; j < rows.start[u + 1]; j++) uid[rows.pos[j]] = u;
         double per_bag = 2.0 * (double)dim * (double)(b->n / (b->num_bags > 0 ? b->num_bags : 1) + 1);
-        int ntb = threads_for(nthreads, b->num_bags, per_bag);
+        int ntb = comera_threads_for_work(nthreads, b->num_bags, per_bag);
 #pragma omp parallel for num_threads(ntb) schedule(static)
         for (int64_t g = 0; g < b->num_bags; g++) {
             REAL *o = out + g * dim;
@@ -316,12 +337,4 @@ done:
     free(eff); free(slice_used); free(ws); free(rowbuf); free(uid);
     comera_emb_rows_free(&rows);
     return rc;
-}
-
-/* The forward entry point behind the public wrappers in cpu.c. */
-static int FN(emb_fwd_prepared)(const comera_tt_embedding_prep *p,
-                                const comera_tt_embedding_batch *b, const REAL *psw,
-                                const REAL *const *cores, const REAL *const *gates, REAL *out,
-                                int nthreads) {
-    return FN(emb_fwd)(&p->shape, b, psw, p->reuse_resolved, cores, gates, out, nthreads);
 }

@@ -1,7 +1,7 @@
 // tt_embedding: the TT (TTM-format) embedding table (docs/design.md
 // section 3).  This folder holds the whole op: plan.c (checks, shape, index
-// grouping, planner, prepare), cpu.c (the C kernels, generic text in
-// cpu_impl.h), cuda.cu + cuda_bwd.cu + cuda.cuh (the CUDA launchers), and
+// grouping, planner, prepare), cpu_f32.c and cpu_f64.c (the C kernels,
+// their shared body in cpu_impl.h and cpu_bwd_impl.h), cuda.cu + cuda_bwd.cu + cuda.cuh (the CUDA launchers), and
 // this file, the torch glue for every device, on the LibTorch stable ABI
 // (common/glue.h).
 //
@@ -242,7 +242,7 @@ inline Tensor check_grad_out(const char *op, const EmbeddingCall &c, const Tenso
     return as_contiguous(grad);
 }
 
-// ---- CPU kernels (cpu.c)
+// ---- CPU kernels (cpu_f32.c, cpu_f64.c)
 
 template <typename T>
 int forward_cpu(const EmbeddingCall &c, const Tensor &out) {

@@ -1,8 +1,8 @@
 /* TT embedding, device-neutral half: the descriptor and batch checks, the
  * derived sizes (shape.h), index sorting and grouping, the planner, and
- * comera_tt_embedding_prepare, which validates a table once per call for the
- * CPU kernels (cpu.c) and the CUDA launchers (cuda.cu).  The format is in
- * docs/design.md section 3. */
+ * comera_tt_embedding_prepare, which validates a table once per call for
+ * the CPU kernels (cpu_f32.c, cpu_f64.c) and the CUDA launchers (cuda.cu).
+ * The format is in docs/design.md section 3. */
 #include "tt_embedding/shape.h"
 #include "common/gemm.h"
 
@@ -260,6 +260,29 @@ int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b
     rows->count = u;
     rows->sorted = 1;
     return COMERA_OK;
+}
+
+/* A batch of fewer rows than twice the largest mode reads few slices, and
+ * packing only those keeps a one-index call from packing whole cores; a
+ * larger batch reads nearly all of them and skips the marking. */
+unsigned char *comera_emb_used_slices(const emb_shape *s, const emb_rows *rows) {
+    int64_t total = 0, vmax = 0;
+    for (int k = 0; k < s->d; k++) {
+        total += s->v[k];
+        if (s->v[k] > vmax) vmax = s->v[k];
+    }
+    if (rows->count >= 2 * vmax) return NULL;
+    unsigned char *used = calloc((size_t)total, 1);
+    if (!used) return NULL; /* packing everything is still right */
+    for (int64_t u = 0; u < rows->count; u++) {
+        int64_t idx[COMERA_MAX_CORES], off = 0;
+        emb_unravel(s, rows->keys[u], idx);
+        for (int k = 0; k < s->d; k++) {
+            used[off + idx[k]] = 1;
+            off += s->v[k];
+        }
+    }
+    return used;
 }
 
 /* -------------------------------------------------------------- planner */

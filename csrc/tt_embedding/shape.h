@@ -31,4 +31,21 @@ void comera_emb_rows_free(emb_rows *rows);
 /* Positions that belong to a bag: offsets[num_bags] (== n) in bag modes, else n. */
 int64_t comera_emb_used(const comera_tt_embedding_batch *b);
 
+/* Flags of the core slices a small batch's rows read (used[off_k + i] for
+ * slice i of core k, off_k the slices of the cores before k; the caller
+ * frees it), or NULL: pack every slice. */
+unsigned char *comera_emb_used_slices(const emb_shape *s, const emb_rows *rows);
+
+/* The multi-index (i_0 .. i_{d-1}) of table row t. */
+static inline void emb_unravel(const emb_shape *s, int64_t t, int64_t *idx) {
+    for (int k = 0; k < s->d; k++) idx[k] = (t / s->vstride[k]) % s->v[k];
+}
+
+/* First level whose index differs between two rows (d when equal). */
+static inline int emb_first_diff(int d, const int64_t *a, const int64_t *b) {
+    int l = 0;
+    while (l < d && a[l] == b[l]) l++;
+    return l;
+}
+
 #endif

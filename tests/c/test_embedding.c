@@ -1,4 +1,4 @@
-/* Standalone tests of the TT embedding kernels (csrc/cpu/tt_embedding*.c),
+/* Standalone tests of the TT embedding kernels (csrc/tt_embedding/cpu_*),
  * no torch needed: forward and backward in plain and bag modes, every reuse
  * strategy, 1 and 3 threads, against a naive reference that builds the
  * table entry by entry and pushes gradients back entry by entry; float32

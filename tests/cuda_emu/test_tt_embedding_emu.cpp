@@ -1,6 +1,6 @@
 /* The CUDA TT embedding launchers (csrc/tt_embedding/cuda*.cu), compiled
  * for the host with the emulation in cuda_emulate.h, against the float64 C
- * kernels (csrc/tt_embedding/cpu.c) as reference, for float64, float32,
+ * kernels (csrc/tt_embedding/cpu_f64.c) as reference, for float64, float32,
  * bfloat16 and float16: plain, sum (with and without per-sample weights) and
  * mean bags, every reuse strategy, repeated indices (also runs of hundreds
  * of one row), a padding row, padded row and dim modes, empty bags and an
