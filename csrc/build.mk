@@ -11,6 +11,6 @@ COMERA_C_SOURCES = common/gemm.c common/gemm_isa.c common/gemm_dot.c common/stat
                    common/workspace.c common/outpool.c \
                    tt_linear/plan.c tt_linear/cpu_f32.c tt_linear/cpu_f64.c \
                    tt_embedding/plan.c tt_embedding/cpu_f32.c tt_embedding/cpu_f64.c \
-                   gate_prox/cpu.c
+                   gate_prox/cpu_f32.c gate_prox/cpu_f64.c
 # include folders: the public C ABI (comera/*.h) and csrc itself (<op>/*.h, common/*.h)
 COMERA_C_INCLUDES = include .

@@ -1,20 +1,45 @@
-/* Gate proximal step for one element type.  Included by cpu.c once per type
- * with REAL (float or double) and FN(name) (adds _f32 / _f64) defined.
- * Everything here is static; the public names are written out in cpu.c. */
+/* gate_prox: the fused proximal step on TT gates (rank adaptation, see
+ * comera/gate_prox.h and docs/design.md section 4), CPU kernel: the body
+ * shared by float32 and float64.
+ *
+ * C has no templates, and one text for both element types keeps them from
+ * drifting apart, so this file is compiled twice: cpu_f32.c defines REAL as
+ * float and includes it, cpu_f64.c as double.  Every function here is
+ * static and has its plain name, so grep finds each definition and call;
+ * the public entry points (comera_gate_prox_f32, _f64) are written out by
+ * name in cpu_f32.c and cpu_f64.c, as thin wrappers of gate_prox_run. */
+#ifndef REAL
+#error "define REAL (float or double) before including gate_prox/cpu_impl.h"
+#endif
 
-static int FN(has_nan)(const REAL *g, int64_t n) {
+#include "comera/gate_prox.h"
+#include "common/threads.h"
+
+#include <math.h>
+#include <stddef.h>
+
+/* Gates are short (one entry per rank), so threads only pay off when there
+ * are many entries in total. */
+#define GATE_PARALLEL_MIN 32768
+
+static int gate_threads(int nthreads, int64_t num_gates, int64_t total) {
+    if (total < GATE_PARALLEL_MIN) return 1;
+    return comera_threads_for_items(nthreads, num_gates);
+}
+
+static int gate_has_nan(const REAL *g, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (isnan(g[i])) return 1;
     return 0;
 }
 
-static int8_t FN(sign_of)(REAL v) {
+static int8_t gate_sign(REAL v) {
     return v > 0 ? 1 : v < 0 ? -1 : 0;
 }
 
 /* One gate: returns its live count afterwards. */
-static int64_t FN(prox_one)(REAL *g, int8_t *s, int64_t n, double threshold, int64_t min_live,
-                            int kill) {
+static int64_t gate_prox_one(REAL *g, int8_t *s, int64_t n, double threshold, int64_t min_live,
+                             int kill) {
     int64_t live = 0, doomed = 0;
     /* pass 1: classify; doomed entries are marked s = 2 (or -2) for now */
     for (int64_t i = 0; i < n; i++) {
@@ -22,7 +47,7 @@ static int64_t FN(prox_one)(REAL *g, int8_t *s, int64_t n, double threshold, int
             g[i] = 0;
             continue;
         }
-        int8_t now = FN(sign_of)(g[i]);
+        int8_t now = gate_sign(g[i]);
         if (!kill) {
             if (now != 0) s[i] = now;
             live++;
@@ -60,7 +85,7 @@ static int64_t FN(prox_one)(REAL *g, int8_t *s, int64_t n, double threshold, int
     return live;
 }
 
-static int FN(gate_prox)(int64_t num_gates, REAL *const *gates, int8_t *const *signs,
+static int gate_prox_run(int64_t num_gates, REAL *const *gates, int8_t *const *signs,
                          const int64_t *sizes, double threshold, int64_t min_live,
                          int kill, int64_t *live, int nthreads) {
     if (num_gates < 0 || isnan(threshold) || min_live < 0) return COMERA_ERR_ARG;
@@ -77,7 +102,7 @@ static int FN(gate_prox)(int64_t num_gates, REAL *const *gates, int8_t *const *s
     int any_nan = 0;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(|| : any_nan)
     for (int64_t k = 0; k < num_gates; k++) {
-        int bad = FN(has_nan)(gates[k], sizes[k]);
+        int bad = gate_has_nan(gates[k], sizes[k]);
         live[k] = bad ? -1 : 0;
         any_nan = any_nan || bad;
     }
@@ -85,6 +110,6 @@ static int FN(gate_prox)(int64_t num_gates, REAL *const *gates, int8_t *const *s
 
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int64_t k = 0; k < num_gates; k++)
-        live[k] = FN(prox_one)(gates[k], signs[k], sizes[k], threshold, min_live, kill);
+        live[k] = gate_prox_one(gates[k], signs[k], sizes[k], threshold, min_live, kill);
     return COMERA_OK;
 }

@@ -1,7 +1,7 @@
 // gate_prox: the fused proximal step on TT gates (rank adaptation,
 // docs/design.md section 4; the rule is in comera/gate_prox.h).  This folder
-// holds cpu.c (the C kernel, generic text in cpu_impl.h), cuda.cu (the CUDA
-// launchers), and this file, the torch glue for every device, on the LibTorch
+// holds cpu_f32.c and cpu_f64.c (the C kernel, its shared body in
+// cpu_impl.h), cuda.cu (the CUDA launchers), and this file, the torch glue for every device, on the LibTorch
 // stable ABI (common/glue.h): argument checks, then one call for all gates.
 // On CUDA the gate and sign pointers reach the kernels as launch parameters
 // and the live counts stay on the device (the op returns them on the gates'

@@ -1,7 +1,9 @@
-/* Standalone tests of the comera C kernels (csrc/cpu): GEMM (test_gemm.c),
- * TT linear forward/backward on both paths against the naive dense
- * reference (reference.c), finite differences of the float64 kernel,
- * float32 against float64, descriptor checks and the planner.
+/* Standalone tests of the comera C kernels (csrc/common, csrc/tt_linear,
+ * csrc/gate_prox): GEMM (test_gemm.c), TT linear forward/backward on both
+ * paths against the naive dense reference (reference.c), finite
+ * differences of the float64 kernel, float32 against float64, descriptor
+ * checks and the planner, the gate proximal step (test_rank_adaptive.c),
+ * the page and output-block helpers (test_pages.c, test_outpool.c).
  * Prints one line per group, then "N passed, M failed"; exits 1 on failure. */
 #include "isa_guard.h"
 #include "reference.h"

@@ -1,0 +1,11 @@
+/* gate_prox, CPU kernel for float64: the body of cpu_impl.h (see there)
+ * compiled with REAL = double, and the public float64 entry point. */
+#define REAL double
+#include "gate_prox/cpu_impl.h"
+
+int comera_gate_prox_f64(int64_t num_gates, double *const *gates, int8_t *const *signs,
+                         const int64_t *sizes, double threshold, int64_t min_live, int kill,
+                         int64_t *live, int nthreads) {
+    return gate_prox_run(num_gates, gates, signs, sizes, threshold, min_live, kill, live,
+                         nthreads);
+}
