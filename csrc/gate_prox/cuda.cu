@@ -1,31 +1,10 @@
-// Proximal steps on the TT gates (docs/design.md section 4) on the GPU:
-//   comera_gate_prox_cuda            the rule of comera::gate_prox_ (see
-//                                    comera/gate_prox.h), one thread per gate
-//   comera_gate_soft_threshold_cuda  the plain soft threshold
+// The proximal step on the TT gates (docs/design.md section 4) on the GPU:
+// comera_gate_prox_cuda, the rule of comera::gate_prox_ (see
+// comera/gate_prox.h), one thread per gate.
 #include "common/cuda_common.cuh"
 
 namespace comera_cuda {
 namespace {
-
-template <typename T> __global__ void soft_threshold_kernel(T *g, int64_t n, double thr) {
-    typedef typename Acc<T>::type A;
-    const A th = (A)thr;
-    COMERA_FOR_EACH(i, n) {
-        A v = to_acc<A>(g[i]);
-        // exact zeros (dead ranks) and NaN are left as they are
-        if (v > th)
-            g[i] = from_acc<T, A>(v - th);
-        else if (v < -th)
-            g[i] = from_acc<T, A>(v + th);
-        else if (v == v)
-            g[i] = from_acc<T, A>((A)0);
-    }
-}
-
-template <typename T> int soft_threshold(void *g, int64_t n, double thr, cudaStream_t st) {
-    COMERA_LAUNCH(soft_threshold_kernel<T>, n, st, (T *)g, n, thr);
-    return launched();
-}
 
 // One thread per gate: gates are short (one entry per rank) and the rule
 // needs the whole gate (the min_live rescue), so each thread runs the C
@@ -185,21 +164,6 @@ extern "C" int comera_gate_prox_cuda(int dtype, int64_t num_gates, void *const *
         case COMERA_DT_F16:
             return gate_prox<__half>(num_gates, gates, signs, sizes, threshold, min_live, kill, live,
                                      stream);
-        default: return COMERA_ERR_ARG;
-    }
-}
-
-extern "C" int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double threshold,
-                                               cudaStream_t stream) {
-    using namespace comera_cuda;
-    if (n < 0 || !(threshold >= 0.0)) return COMERA_ERR_ARG;
-    if (n == 0) return COMERA_OK;
-    if (!g) return COMERA_ERR_ARG;
-    switch (dtype) {
-        case COMERA_DT_F32: return soft_threshold<float>(g, n, threshold, stream);
-        case COMERA_DT_F64: return soft_threshold<double>(g, n, threshold, stream);
-        case COMERA_DT_BF16: return soft_threshold<__nv_bfloat16>(g, n, threshold, stream);
-        case COMERA_DT_F16: return soft_threshold<__half>(g, n, threshold, stream);
         default: return COMERA_ERR_ARG;
     }
 }

@@ -1,10 +1,11 @@
 /* The CUDA TT linear launchers (csrc/tt_linear/cuda.cu), compiled for the
  * host with the emulation in cuda_emulate.h, against the float64 C kernels
- * (csrc/cpu) as reference, for float64, float32, bfloat16 and float16, with
- * and without bias and input gradient, over layer shapes that exercise
- * p = 1 / q = 1 chains, padding, ranks at the TT bound and long (split)
- * gradient sums.  Also: the workspace size is enough (guard bytes past it
- * stay untouched), argument errors, and the gate soft threshold.
+ * (csrc/tt_linear/cpu_f64.c) as reference, for float64, float32, bfloat16
+ * and float16, with and without bias and input gradient, over layer shapes
+ * that exercise p = 1 / q = 1 chains, padding, ranks at the TT bound and
+ * long (split) gradient sums.  Also: the workspace size is enough (guard
+ * bytes past it stay untouched), argument errors, the gate proximal step
+ * (csrc/gate_prox/cuda.cu) against its C kernel, and the launch counts.
  * Prints one line per failure, then "N passed, M failed"; exits 1 on failure. */
 #include "cuda_emulate.h"
 
@@ -245,23 +246,6 @@ static void argument_errors() {
           "out_features above the product of the modes is refused");
 }
 
-static void soft_threshold() {
-    std::vector<float> g{0.5f, -0.5f, 0.05f, -0.05f, 0.0f, 0.1f, NAN};
-    int rc = comera_gate_soft_threshold_cuda(COMERA_DT_F32, (int64_t)g.size(), g.data(), 0.1, nullptr);
-    const float want[] = {0.4f, -0.4f, 0.0f, 0.0f, 0.0f, 0.0f};
-    bool ok = rc == COMERA_OK && std::isnan(g[6]);
-    for (int i = 0; i < 6; i++) ok = ok && std::fabs(g[i] - want[i]) < 1e-7f;
-    ok = ok && !std::signbit(g[4]);
-    check(ok, "soft threshold float32");
-    std::vector<__nv_bfloat16> h{__float2bfloat16(2.0f), __float2bfloat16(-0.25f)};
-    rc = comera_gate_soft_threshold_cuda(COMERA_DT_BF16, 2, h.data(), 0.5, nullptr);
-    check(rc == COMERA_OK && __bfloat162float(h[0]) == 1.5f && __bfloat162float(h[1]) == 0.0f,
-          "soft threshold bfloat16");
-    check(comera_gate_soft_threshold_cuda(COMERA_DT_F32, 1, g.data(), -1.0, nullptr) ==
-              COMERA_ERR_ARG,
-          "a negative threshold is refused");
-}
-
 /* comera_gate_prox_cuda against the C kernel comera_gate_prox_f64/f32 on the
  * same gates: random values near the threshold, dead entries, sign flips,
  * min_live rescues, kill on and off, and a NaN that must leave all alone. */
@@ -419,7 +403,6 @@ int main() {
         }
     }
     argument_errors();
-    soft_threshold();
     gate_prox();
     launch_counts();
     printf("%d passed, %d failed\n", passed, failed);

@@ -90,13 +90,6 @@ int comera_gate_prox_cuda(int dtype, int64_t num_gates, void *const *gates,
                           int8_t *const *signs, const int64_t *sizes, double threshold,
                           int64_t min_live, int kill, int64_t *live, cudaStream_t stream);
 
-/* ---- gate soft threshold --------------------------------------------------
- *
- * g = sign(g) * max(|g| - threshold, 0) over n elements in place; exact
- * zeros stay zero, NaN stays NaN.  threshold >= 0. */
-int comera_gate_soft_threshold_cuda(int dtype, int64_t n, void *g, double threshold,
-                                    cudaStream_t stream);
-
 /* ---- TT embedding (comera::tt_embedding, tt_embedding_backward) ----------
  *
  * The lookups of comera_tt_embedding_fwd/bwd_* (tt_embedding.h) on device
