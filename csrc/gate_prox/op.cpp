@@ -56,18 +56,21 @@ void check_gates(const char *op, const std::vector<Tensor> &gates,
     }
 }
 
+// The gates' lengths, the third table of the C ABI beside the gate and sign pointers.
+std::vector<int64_t> gate_sizes(const std::vector<Tensor> &gates) {
+    std::vector<int64_t> sizes;
+    sizes.reserve(gates.size());
+    for (const Tensor &g : gates) sizes.push_back(g.size(0));
+    return sizes;
+}
+
 template <typename T>
 int prox_cpu(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
              double threshold, int64_t min_live, bool kill, int64_t *live) {
     const int64_t n = static_cast<int64_t>(gates.size());
-    std::vector<T *> gp;
-    std::vector<int8_t *> sp;
-    std::vector<int64_t> sizes;
-    for (int64_t k = 0; k < n; k++) {
-        gp.push_back(ptr<T>(gates[k]));
-        sp.push_back(ptr<int8_t>(signs[k]));
-        sizes.push_back(gates[k].size(0));
-    }
+    std::vector<T *> gp = mutable_data_ptrs<T>(gates);
+    std::vector<int8_t *> sp = mutable_data_ptrs<int8_t>(signs);
+    std::vector<int64_t> sizes = gate_sizes(gates);
     int nt = num_threads();
     if constexpr (std::is_same_v<T, float>)
         return comera_gate_prox_f32(n, gp.data(), sp.data(), sizes.data(), threshold, min_live,
@@ -82,14 +85,9 @@ int prox_cpu(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
 Tensor prox_cuda(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
                  double threshold, int64_t min_live, bool kill, int *rc) {
     const int64_t n = static_cast<int64_t>(gates.size());
-    std::vector<void *> gp;
-    std::vector<int8_t *> sp;
-    std::vector<int64_t> sizes;
-    for (int64_t k = 0; k < n; k++) {
-        gp.push_back(gates[k].data_ptr());
-        sp.push_back(ptr<int8_t>(signs[k]));
-        sizes.push_back(gates[k].size(0));
-    }
+    std::vector<void *> gp = mutable_data_ptrs<void>(gates);
+    std::vector<int8_t *> sp = mutable_data_ptrs<int8_t>(signs);
+    std::vector<int64_t> sizes = gate_sizes(gates);
     const Device device = gates[0].device();
     Tensor live = empty({n}, ScalarType::Long, device);
     *rc = comera_gate_prox_cuda(dtype_code(gates[0].scalar_type()), n, gp.data(), sp.data(),
