@@ -56,43 +56,45 @@ void check_gates(const char *op, const std::vector<Tensor> &gates,
     }
 }
 
-// The gates' lengths, the third table of the C ABI beside the gate and sign pointers.
-std::vector<int64_t> gate_sizes(const std::vector<Tensor> &gates) {
+// The tables the C ABI takes for the gates: their data pointers (T: the
+// element type; void for the CUDA launcher), their sign vectors' and their
+// lengths.
+template <typename T>
+struct GateTables {
+    std::vector<T *> gates;
+    std::vector<int8_t *> signs;
     std::vector<int64_t> sizes;
-    sizes.reserve(gates.size());
-    for (const Tensor &g : gates) sizes.push_back(g.size(0));
-    return sizes;
-}
+
+    GateTables(const std::vector<Tensor> &g, const std::vector<Tensor> &s)
+        : gates(mutable_data_ptrs<T>(g)), signs(mutable_data_ptrs<int8_t>(s)) {
+        for (const Tensor &t : g) sizes.push_back(t.size(0));
+    }
+    int64_t count() const { return static_cast<int64_t>(sizes.size()); }
+};
 
 template <typename T>
 int prox_cpu(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
              double threshold, int64_t min_live, bool kill, int64_t *live) {
-    const int64_t n = static_cast<int64_t>(gates.size());
-    std::vector<T *> gp = mutable_data_ptrs<T>(gates);
-    std::vector<int8_t *> sp = mutable_data_ptrs<int8_t>(signs);
-    std::vector<int64_t> sizes = gate_sizes(gates);
+    GateTables<T> t(gates, signs);
     int nt = num_threads();
     if constexpr (std::is_same_v<T, float>)
-        return comera_gate_prox_f32(n, gp.data(), sp.data(), sizes.data(), threshold, min_live,
-                                    kill ? 1 : 0, live, nt);
+        return comera_gate_prox_f32(t.count(), t.gates.data(), t.signs.data(), t.sizes.data(),
+                                    threshold, min_live, kill ? 1 : 0, live, nt);
     else
-        return comera_gate_prox_f64(n, gp.data(), sp.data(), sizes.data(), threshold, min_live,
-                                    kill ? 1 : 0, live, nt);
+        return comera_gate_prox_f64(t.count(), t.gates.data(), t.signs.data(), t.sizes.data(),
+                                    threshold, min_live, kill ? 1 : 0, live, nt);
 }
 
 #ifdef COMERA_WITH_CUDA
 // Pointers and sizes go by value (host arrays read at launch); live stays on the device.
 Tensor prox_cuda(const std::vector<Tensor> &gates, const std::vector<Tensor> &signs,
                  double threshold, int64_t min_live, bool kill, int *rc) {
-    const int64_t n = static_cast<int64_t>(gates.size());
-    std::vector<void *> gp = mutable_data_ptrs<void>(gates);
-    std::vector<int8_t *> sp = mutable_data_ptrs<int8_t>(signs);
-    std::vector<int64_t> sizes = gate_sizes(gates);
+    GateTables<void> t(gates, signs);
     const Device device = gates[0].device();
-    Tensor live = empty({n}, ScalarType::Long, device);
-    *rc = comera_gate_prox_cuda(dtype_code(gates[0].scalar_type()), n, gp.data(), sp.data(),
-                                sizes.data(), threshold, min_live, kill ? 1 : 0,
-                                ptr<int64_t>(live), current_stream(device));
+    Tensor live = empty({t.count()}, ScalarType::Long, device);
+    *rc = comera_gate_prox_cuda(dtype_code(gates[0].scalar_type()), t.count(), t.gates.data(),
+                                t.signs.data(), t.sizes.data(), threshold, min_live,
+                                kill ? 1 : 0, ptr<int64_t>(live), current_stream(device));
     return live;
 }
 #endif
