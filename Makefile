@@ -35,7 +35,8 @@ demo-mlp: $(STAMP)
 test: test-c test-sanitize test-python
 
 test-python: $(STAMP)
-	$(VPY) -m pytest -q tests
+	$(VPY) tools/check_imports.py
+	$(VPY) -m pytest -q
 
 test-c:
 	$(MAKE) -C tests/c test

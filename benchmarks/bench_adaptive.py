@@ -132,7 +132,7 @@ def train_one(method: str, p, data: MLMData, *, lr: float, seed: int, target=Non
             "compression_converted": (counts["converted_dense"] / counts["converted_tt"]
                                       if counts["converted_tt"] else 1.0),
             "wall_s": time.perf_counter() - t0,
-            "final_ranks": comera.persistence.tt_live_ranks(model) if method != "dense" else None}
+            "final_ranks": comera.storage.tt_live_ranks(model) if method != "dense" else None}
 
 
 def tuned(runs_for, lrs, seeds, log):

@@ -66,14 +66,14 @@ def held_out_pairs(run_dir):
 
 def load_encoder(run_dir, method):
     """The run's final `method` model (its checkpoint), as an encoder."""
-    from comera import persistence
+    from comera import storage
     from comera.pretrain.model import Preset, build_comera, build_dense
-    state = persistence.load_training_state(os.path.join(run_dir, method, "checkpoint.pt"))
+    state = storage.load_training_state(os.path.join(run_dir, method, "checkpoint.pt"))
     p = Preset(**state["preset"])
     with open(os.path.join(run_dir, "tokenizer_meta.json")) as fh:
         vocab = json.load(fh)["vocab_size"]
     model = (build_comera if method == "comera" else build_dense)(p, vocab, 0)
-    persistence.load_state_dict(model, state["model"])
+    storage.load_state_dict(model, state["model"])
     return model.roberta, p
 
 

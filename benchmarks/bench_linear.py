@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import comera
-from comera import tt
+from comera.ops.dense import merge
 from common import (pool_off, routed, keep_freed_memory, peak_memory_subprocess, peak_rss_bytes,
                     reset_peak_rss, rss_bytes, write_results)
 from timing import assert_threads, finish_record, interleaved, machine_line, machine_record
@@ -50,8 +50,8 @@ class MatmulMerge(nn.Module):
 
     def forward(self, x):
         cores, gates = list(self.cores), list(self.gates)
-        V = tt.merge(cores[: self.p], gates[: self.p])[: self.in_f]
-        U = tt.merge(cores[self.p:], gates[self.p:]).reshape(V.shape[1], -1)[:, : self.out_f]
+        V = merge(cores[: self.p], gates[: self.p])[: self.in_f]
+        U = merge(cores[self.p:], gates[self.p:]).reshape(V.shape[1], -1)[:, : self.out_f]
         return torch.addmm(self.bias, x @ V, U)
 
 

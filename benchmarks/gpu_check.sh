@@ -79,7 +79,7 @@ if [[ "$build_status" == ok* || "$DRY" = 1 ]]; then
         "$PY" -m pip install -q --no-index --find-links "${WHEELS:-.gpu-wheels}" pytest >> "$OUT/build.log" 2>&1
     fi
     if "$PY" -c 'import pytest' 2>/dev/null; then
-        files=$(grep -l needs_cuda tests/test_*.py)
+        files=$(grep -rl needs_cuda tests --include='test_*.py' | sort)
         tsec=$(( $(left) - 200 ))  # the benchmarks and pre-training keep 200 s
         [ "$tsec" -gt 240 ] && tsec=240
         [ "$tsec" -lt 30 ] && tsec=30

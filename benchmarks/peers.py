@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import comera
-from comera import tt
+from comera.layers import tt
+from comera.ops.dense import merge
 
 LINEAR_METHODS = ["comera.TTLinear", "paper scheme", "tltorch BlockTT (factorized)",
                   "tltorch BlockTT (reconstructed)", "tltorch BlockTT (factorized, equal params)",
@@ -81,8 +82,8 @@ class PaperTTLinear(nn.Module):
 
     def forward(self, x):
         cores, gates = list(self.cores), list(self.gates)
-        V = tt.merge(cores[: self.p], gates[: self.p])[: self.in_features]
-        U = tt.merge(cores[self.p:], gates[self.p:]).reshape(V.shape[1], -1)[:, : self.out_features]
+        V = merge(cores[: self.p], gates[: self.p])[: self.in_features]
+        U = merge(cores[self.p:], gates[self.p:]).reshape(V.shape[1], -1)[:, : self.out_features]
         lead = x.shape[:-1]
         y = _TwoMatmul.apply(x.reshape(-1, self.in_features), V, U, self.bias)
         return y.reshape(*lead, self.out_features)

@@ -8,9 +8,10 @@ Example:
 import argparse
 import sys
 
+from comera.pretrain.cli import add_arguments, run
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from comera.pretrain.cli import add_arguments
     parser = argparse.ArgumentParser(prog="comera", description="comera command line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -26,7 +27,6 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "pretrain":
-        from comera.pretrain.cli import run
         try:
             return run(args)
         except (ValueError, ImportError) as e:

@@ -1,5 +1,5 @@
 """Checkpoint safety: comera.save / comera.load and the pre-training
-checkpoints (comera.persistence) keep the previous file when a save
+checkpoints (comera.storage) keep the previous file when a save
 fails half-way, leave no temporary file behind, never run code from a file
 (no unpickling of arbitrary objects), and refuse checkpoints that do not fit
 the model with a message naming what is wrong."""
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import comera
-from comera import persistence
+from comera import storage
 
 
 def _net(rank=4):
@@ -66,7 +66,7 @@ def test_save_replaces_atomically_and_keeps_mode(tmp_path):
 
 def test_pretrain_checkpoint_failed_save_keeps_previous(tmp_path, monkeypatch):
     path = str(tmp_path / "run" / "ckpt.pt")
-    persistence.save_training_state(path, {"step": 1, "w": torch.arange(4.0)})
+    storage.save_training_state(path, {"step": 1, "w": torch.arange(4.0)})
     before = open(path, "rb").read()
     real = torch.save
 
@@ -78,11 +78,11 @@ def test_pretrain_checkpoint_failed_save_keeps_previous(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", torn)
     with pytest.raises(KeyboardInterrupt):
-        persistence.save_training_state(path, {"step": 2, "w": torch.zeros(4)})
+        storage.save_training_state(path, {"step": 2, "w": torch.zeros(4)})
     monkeypatch.undo()
     assert open(path, "rb").read() == before
     assert _files(tmp_path / "run") == ["ckpt.pt"]
-    state = persistence.load_training_state(path)
+    state = storage.load_training_state(path)
     assert state["step"] == 1 and torch.equal(state["w"], torch.arange(4.0))
 
 
@@ -104,7 +104,7 @@ def test_load_never_unpickles_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         comera.load(_net(), path)
     with pytest.raises(pickle.UnpicklingError):
-        persistence.load_training_state(str(path))
+        storage.load_training_state(str(path))
     assert not hasattr(builtins, "_comera_pwned")
 
 
@@ -118,11 +118,11 @@ def test_pretrain_checkpoint_roundtrip_weights_only(tmp_path):
     ctl = comera.RankAdaptive(net, gamma=1e-3, threshold=1e-3, stage1_steps=2, stage2_steps=2,
                               target_compression=2.0)
     state = {"model": net.state_dict(), "optimizer": opt.state_dict(),
-             "controller": ctl.state_dict(), "rng": persistence.rng_state(),
+             "controller": ctl.state_dict(), "rng": storage.rng_state(),
              "history": {"loss": [(0, 1.5)]}, "preset": {"name": "tiny"}, "step": 3}
     path = str(tmp_path / "ckpt.pt")
-    persistence.save_training_state(path, state)
-    back = persistence.load_training_state(path)
+    storage.save_training_state(path, state)
+    back = storage.load_training_state(path)
     assert back["step"] == 3 and back["rng"]["python"] == state["rng"]["python"]
     assert back["optimizer"]["state"].keys() == state["optimizer"]["state"].keys()
 

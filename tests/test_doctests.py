@@ -10,7 +10,8 @@ import comera
 # Not walked: the extension modules (comera._C, comera._C_cuda: no
 # docstrings, and comera._C_cuda is imported only under a torch with CUDA,
 # see comera/_cuda.py) and the parts left out before them.
-SKIP = ("comera.pretrain", "comera.integrations", "comera.__main__", "comera._C")
+SKIP = ("comera.pretrain", "comera.integrations.ddp", "comera.integrations.hf.trainer",
+        "comera.integrations.hf.checkpoints", "comera.__main__", "comera._C")
 MODULES = sorted(m.name for m in pkgutil.walk_packages(comera.__path__, "comera.")
                  if not m.name.startswith(SKIP))
 

@@ -114,10 +114,10 @@ PY
 else
     echo "xver: no $build_py: the CPU-only torch check did not run"; exit 1
 fi
-PATH="$stub:$PATH" CC="$stub/cc" CXX="$stub/c++" TORCH_EXTENSIONS_DIR="$stub/ext" \
+PATH="$stub:$PATH" CC="$stub/cc" CXX="$stub/c++" TORCH_EXTENSIONS_DIR="$stub/ext" PYTHONPATH="$root/tests" \
     "$xpy" -m pytest -q -p no:cacheprovider --rootdir "$stub" -c /dev/null \
-    "$root/tests/test_linear.py" "$root/tests/test_embedding.py" \
-    "$root/tests/test_rank_adaptive.py" \
+    "$root/tests/layers/test_linear.py" "$root/tests/layers/test_embedding.py" \
+    "$root/tests/adapt/test_rank_adaptive.py" \
     -k "(not rank_adaptive or gate_prox or prox_step or dead_entries) and not torch_compile"
 [ ! -e "$stub/ext" ] || { echo "xver: something was compiled into $stub/ext"; exit 1; }
 echo "xver: passed"

@@ -6,7 +6,7 @@
   the old parameter shapes).
 - :mod:`comera.integrations.hf`: ``RankAdaptiveCallback`` for the Hugging Face
   ``transformers.Trainer`` and ``patch_trainer`` for resuming from / loading the best of
-  a converted model's Trainer checkpoints (:mod:`comera.integrations.hf_checkpoints`);
+  a converted model's Trainer checkpoints (:mod:`comera.integrations.hf.checkpoints`);
   transformers is imported only when these modules are.
 
 Nothing here is imported by ``import comera``.

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from comera.layer_base import tt_layers
-from comera.prune import prune as comera_prune
+from comera.layers.base import tt_layers
+from comera.adapt.prune import prune as comera_prune
 
 
 def _check_ddp(ddp_model, fn: str) -> None:

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
+from comera.ops.dense import ttm_table
 from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -60,7 +61,6 @@ def dense_lookup(indices, offsets, psw, cores, gates, num_embeddings, embedding_
                  padding_idx, mode, reuse=0):
     """What ``comera::tt_embedding`` computes, in plain torch ops on the
     reconstructed table (differentiable to any order)."""
-    from comera.tied_linear import ttm_table
     table = ttm_table(list(cores), list(gates), num_embeddings, embedding_dim)
     if padding_idx >= 0:
         keep = torch.ones(num_embeddings, 1, dtype=table.dtype, device=table.device)
@@ -101,39 +101,44 @@ def _graph_backward(grad, indices, offsets, psw, cores, gates, args, psw_grad):
     return list(gcores), list(ggates), gpsw if psw_grad else None
 
 
-def _backward(ctx, grad):
-    """Core, gate and per-sample-weight gradients from the saved tensors."""
-    indices, offsets, psw, *rest = ctx.saved_tensors
-    cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
+# One backward, two doors to it, as for tt_linear (comera/ops/linear.py): the
+# operator's registered autograd and TTEmbeddingFunction.
+def _backward_from(saved, num_cores, args, psw_grad, grad):
+    """(dcores, dgates, dper_sample_weights) from the saved tensors."""
+    indices, offsets, psw, *cg = saved
+    cores, gates = cg[:num_cores], cg[num_cores:]
     if needs_graph():
-        gcores, ggates, gpsw = _graph_backward(grad, indices, offsets, psw, cores, gates,
-                                               ctx.args, ctx.needs_input_grad[2])
-        return (None, None, gpsw, gcores, ggates, None, None, None, None, None)
+        return _graph_backward(grad, indices, offsets, psw, cores, gates, args, psw_grad)
     grad = grad.contiguous()
     gcores, ggates = torch.ops.comera.tt_embedding_backward(
-        grad, indices, offsets, psw, cores, gates, *ctx.args)
-    gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) \
-        if ctx.needs_input_grad[2] else None
+        grad, indices, offsets, psw, cores, gates, *args)
+    gpsw = _psw_grad(indices, offsets, cores, gates, grad, args) if psw_grad else None
+    return list(gcores), list(ggates), gpsw
+
+
+def _backward(ctx, grad):
+    gcores, ggates, gpsw = _backward_from(ctx.saved_tensors, ctx.num_cores, ctx.args,
+                                          ctx.needs_input_grad[2], grad)
     return (None, None, gpsw, gcores, ggates, None, None, None, None, None)
 
 
-# The one autograd path of the op: eager calls, the module and torch.compile
-# all go through it.
 torch.library.register_autograd("comera::tt_embedding", _backward, setup_context=_setup_context)
 
 
-# ------------------------------------------------------------- torch.func
-class _TTEmbeddingFunction(torch.autograd.Function):
-    """tt_embedding for torch.func transforms and forward-mode AD (see
-    comera.ops.func).  Inputs are flat: indices, offsets, per_sample_weights,
-    args (num_embeddings, embedding_dim, padding_idx, mode, reuse), num_cores,
-    *cores, *gates."""
+class TTEmbeddingFunction(torch.autograd.Function):
+    """``comera::tt_embedding`` as the Python wrapper calls it (see
+    comera.ops.linear.TTLinearFunction).  Inputs are flat: indices, offsets,
+    per_sample_weights, args (num_embeddings, embedding_dim, padding_idx,
+    mode, reuse), num_cores, *cores, *gates."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(indices, offsets, psw, args, num_cores, *cg):
-        return torch.ops.comera.tt_embedding(indices, offsets, psw, list(cg[:num_cores]),
-                                             list(cg[num_cores:]), *args)
+        call = (indices, offsets, psw, list(cg[:num_cores]), list(cg[num_cores:]), *args)
+        if func_active():  # the transforms' layers must see the operator
+            return torch.ops.comera.tt_embedding(*call)
+        with torch._C._AutoDispatchBelowAutograd():  # this Function records the call
+            return torch.ops.comera.tt_embedding.default(*call)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -144,18 +149,8 @@ class _TTEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        indices, offsets, psw, *cg = ctx.saved_tensors
-        n = ctx.num_cores
-        cores, gates = cg[:n], cg[n:]
-        if needs_graph():
-            gcores, ggates, gpsw = _graph_backward(grad, indices, offsets, psw, cores, gates,
-                                                   ctx.args, ctx.needs_input_grad[2])
-            return (None, None, gpsw, None, None, *gcores, *ggates)
-        grad = grad.contiguous()
-        gcores, ggates = torch.ops.comera.tt_embedding_backward(
-            grad, indices, offsets, psw, cores, gates, *ctx.args)
-        gpsw = _psw_grad(indices, offsets, cores, gates, grad, ctx.args) \
-            if ctx.needs_input_grad[2] else None
+        gcores, ggates, gpsw = _backward_from(ctx.saved_tensors, ctx.num_cores, ctx.args,
+                                              ctx.needs_input_grad[2], grad)
         return (None, None, gpsw, None, None, *gcores, *ggates)
 
     @staticmethod
@@ -179,33 +174,12 @@ class _TTEmbeddingFunction(torch.autograd.Function):
         return out
 
 
-class _EagerTTEmbedding(torch.autograd.Function):
-    """The eager training path: the registered operators without the
-    registered autograd's per-call pytree walk over the list arguments (as
-    comera.ops.linear._EagerTTLinear).  torch.compile and torch.func keep the
-    registered autograd and _TTEmbeddingFunction."""
-
-    @staticmethod
-    def forward(ctx, indices, offsets, psw, args, num_cores, *cg):
-        with torch._C._AutoDispatchBelowAutograd():  # this Function records the call
-            out = torch.ops.comera.tt_embedding.default(indices, offsets, psw,
-                                                        list(cg[:num_cores]),
-                                                        list(cg[num_cores:]), *args)
-        ctx.save_for_backward(indices, offsets, psw, *cg)
-        ctx.num_cores, ctx.args = num_cores, args
-        return out
-
-    backward = _TTEmbeddingFunction.backward
-
-
-def _call(indices, offsets, psw, cores, gates, *args):
-    if func_active():
-        return _TTEmbeddingFunction.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
-    if torch.compiler.is_compiling():
+def _run(indices, offsets, psw, cores, gates, *args):
+    if torch.compiler.is_compiling():  # the compiled graph holds the operator
         return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
-    if torch.is_grad_enabled():
-        return _EagerTTEmbedding.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
-    with torch._C._AutoDispatchBelowAutograd():  # nothing to record: skip the check
+    if torch.is_grad_enabled() or func_active():
+        return TTEmbeddingFunction.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
+    with torch._C._AutoDispatchBelowAutograd():  # nothing to record
         return torch.ops.comera.tt_embedding.default(indices, offsets, psw, list(cores),
                                                      list(gates), *args)
 
@@ -350,7 +324,7 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
             raise ValueError("offsets and per_sample_weights are only valid in bag modes "
                              "(mode='sum' or 'mean')")
         _check_on_device(capturable, input, None, num_embeddings)
-        out = _call(input.reshape(-1), None, None, cores, gates, num_embeddings, embedding_dim,
+        out = _run(input.reshape(-1), None, None, cores, gates, num_embeddings, embedding_dim,
                     pad, 0, REUSE[reuse])
         return _out(out, dtype).reshape(*input.shape, embedding_dim)
     if input.dim() == 2:
@@ -387,7 +361,7 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
                              f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
         per_sample_weights = per_sample_weights.to(cores[0].dtype)
     _check_on_device(capturable, input, offsets, num_embeddings)
-    out = _call(input, offsets, per_sample_weights, cores, gates, num_embeddings, embedding_dim,
+    out = _run(input, offsets, per_sample_weights, cores, gates, num_embeddings, embedding_dim,
                 pad, MODES[mode], REUSE[reuse])
     return _out(out, dtype)
 

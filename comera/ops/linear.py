@@ -5,18 +5,18 @@ Native files: ``csrc/tt_linear/op.cpp`` (torch glue), ``csrc/tt_linear/cpu.c``
 kernels); the schemas of ``comera::tt_linear``, ``comera::tt_linear_backward``
 and ``comera::tt_linear_plan`` are in ``csrc/registration.cpp``.
 """
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
 from comera.ops import route
+from comera.ops.dense import dense_wt
+from comera.ops.linear_plan import PATHS
 from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
 
 _HALF = (torch.bfloat16, torch.float16)
 
-PATHS = {"auto": 0, "merge": 1, "sequential": 2}
-PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 
 @torch.library.register_fake("comera::tt_linear")
@@ -33,114 +33,66 @@ def _tt_linear_backward_fake(grad_y, x, t, cores, gates, has_bias, needs_input_g
     return gx, [torch.empty_like(c) for c in cores], [torch.empty_like(g) for g in gates], gb
 
 
+# ------------------------------------------------------------------ autograd
+# One backward, two doors to it: the operator's own autograd registration
+# (direct calls of torch.ops.comera.tt_linear, torch.compile, torch.export)
+# and TTLinearFunction (every call of the Python wrapper: eager training,
+# torch.func transforms, forward-mode AD).  Both save (x, t, cores, gates).
+def _backward_from(saved, needs_x, num_cores, has_bias, num_in_cores, out_features, path,
+                   grad_y):
+    """(dx, dcores, dgates, dbias) from the saved tensors, by the backward op,
+    or by the dense form when the gradients must be differentiable (double
+    backward, hessians; costs ``in_features * out_features`` memory, like
+    nn.Linear)."""
+    x, t, *cg = saved
+    cores, gates = list(cg[:num_cores]), list(cg[num_cores:])
+    if needs_graph():
+        def f(x_, cores_, gates_):
+            return x_ @ dense_wt(cores_, gates_, num_in_cores, x_.shape[-1], out_features)
+
+        gx, gcores, ggates = composite_vjp(f, (x, cores, gates), grad_y)
+        gb = grad_y.sum(0) if has_bias else None
+    else:
+        gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
+            grad_y.contiguous(), x, t, cores, gates, has_bias, needs_x, num_in_cores,
+            out_features, path)
+    return gx if needs_x else None, list(gcores), list(ggates), gb if has_bias else None
+
+
 def _setup_context(ctx, inputs, output):
     x, cores, gates, bias, num_in_cores, out_features, path = inputs
-    _, t = output
-    ctx.save_for_backward(x, t, *cores, *gates)
-    ctx.num_cores = len(cores)
-    ctx.has_bias = bias is not None
-    ctx.num_in_cores = num_in_cores
-    ctx.out_features = out_features
-    ctx.path = path
-    ctx.mark_non_differentiable(t)
-
-
-def dense_wt(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], num_in_cores: int,
-             in_features: int, out_features: int) -> torch.Tensor:
-    """The dense ``(in_features, out_features)`` matrix ``W^T`` of TT cores
-    (plain torch ops, differentiable to any order)."""
-    from comera import tt
-    p = num_in_cores
-    V = tt.merge(cores[:p], gates[:p])
-    U = tt.merge(cores[p:], gates[p:]).reshape(V.shape[1], -1)
-    return (V @ U)[:in_features, :out_features]
-
-
-def _graph_backward(grad_y, x, cores, gates, has_bias, num_in_cores, out_features):
-    """Gradients that are themselves differentiable (double backward,
-    hessians): from the dense form ``x @ W^T``, which costs
-    ``in_features * out_features`` memory, like nn.Linear."""
-    def f(x_, cores_, gates_):
-        return x_ @ dense_wt(cores_, gates_, num_in_cores, x_.shape[-1], out_features)
-
-    gx, gcores, ggates = composite_vjp(f, (x, list(cores), list(gates)), grad_y)
-    return gx, list(gcores), list(ggates), grad_y.sum(0) if has_bias else None
+    ctx.save_for_backward(x, output[1], *cores, *gates)
+    ctx.mark_non_differentiable(output[1])
+    ctx.args = (len(cores), bias is not None, num_in_cores, out_features, path)
 
 
 def _backward(ctx, grad_y, grad_t):
-    x, t, *rest = ctx.saved_tensors
-    cores, gates = rest[: ctx.num_cores], rest[ctx.num_cores:]
-    if needs_graph():
-        gx, gcores, ggates, gb = _graph_backward(grad_y, x, cores, gates, ctx.has_bias,
-                                                 ctx.num_in_cores, ctx.out_features)
-        return (gx if ctx.needs_input_grad[0] else None, gcores, ggates, gb, None, None, None)
-    gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
-        grad_y.contiguous(), x, t, cores, gates, ctx.has_bias, ctx.needs_input_grad[0],
-        ctx.num_in_cores, ctx.out_features, ctx.path)
-    return (gx if ctx.needs_input_grad[0] else None, list(gcores), list(ggates),
-            gb if ctx.has_bias else None, None, None, None)
+    gx, gcores, ggates, gb = _backward_from(ctx.saved_tensors, ctx.needs_input_grad[0],
+                                            *ctx.args, grad_y)
+    return gx, gcores, ggates, gb, None, None, None
 
 
 torch.library.register_autograd("comera::tt_linear", _backward, setup_context=_setup_context)
 
-# ------------------------------------------------------------- eager autograd
-class _EagerTTLinear(torch.autograd.Function):
-    """The eager training path: the same two operators as the registered
-    autograd, without its per-call pytree walk over the list arguments (a
-    TTLinear(128, 128) on 8 rows: forward + backward 314 -> 173 us, of which
-    the two C calls are 58).  torch.compile and torch.func keep the
-    registered autograd and _TTLinearFunction.  Inputs are flat: x, bias,
-    num_in_cores, out_features, path, num_cores, *cores, *gates."""
 
-    @staticmethod
-    def forward(ctx, x, bias, num_in_cores, out_features, path, num_cores, *cg):
-        # below autograd: this Function records the call (the registered
-        # autograd would otherwise run, and cost a redispatch, here too)
-        with torch._C._AutoDispatchBelowAutograd():
-            y, t = torch.ops.comera.tt_linear.default(x, list(cg[:num_cores]),
-                                                      list(cg[num_cores:]), bias, num_in_cores,
-                                                      out_features, path)
-        ctx.save_for_backward(x, t, *cg)
-        # the context _TTLinearFunction.backward reads (same inputs, same order)
-        ctx.num_cores, ctx.has_bias = num_cores, bias is not None
-        ctx.args = (num_in_cores, out_features, path)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        return _TTLinearFunction.backward(ctx, grad_y, None)
-
-
-def _call_op(x, cores, gates, bias, num_in_cores, out_features, path):
-    """y of the operator in eager mode: through _EagerTTLinear where autograd
-    may record the call, else straight below the autograd key (the registered
-    autograd would only check and redispatch: 12 of a one-row call's 33 us).
-    torch.compile traces the registered operator."""
-    if torch.compiler.is_compiling():
-        y, _ = torch.ops.comera.tt_linear(x, list(cores), list(gates), bias, num_in_cores,
-                                          out_features, path)
-    elif torch.is_grad_enabled():
-        y = _EagerTTLinear.apply(x, bias, num_in_cores, out_features, path, len(cores),
-                                 *cores, *gates)
-    else:
-        with torch._C._AutoDispatchBelowAutograd():
-            y, _ = torch.ops.comera.tt_linear.default(x, list(cores), list(gates), bias,
-                                                      num_in_cores, out_features, path)
-    return y
-
-
-# ------------------------------------------------------------- torch.func
-class _TTLinearFunction(torch.autograd.Function):
-    """tt_linear for torch.func transforms and forward-mode AD (see comera.ops.func).
-    Inputs are flat: x, bias, num_in_cores, out_features, path, num_cores,
-    *cores, *gates."""
+class TTLinearFunction(torch.autograd.Function):
+    """``comera::tt_linear`` as the Python wrapper calls it.  Inputs are flat
+    (x, bias, num_in_cores, out_features, path, num_cores, *cores, *gates), so
+    autograd walks no list arguments per call; ``setup_context``,
+    ``generate_vmap_rule`` and :meth:`jvp` make it work under torch.func
+    transforms and forward-mode AD (:mod:`comera.ops.func`)."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x, bias, num_in_cores, out_features, path, num_cores, *cg):
-        y, t = torch.ops.comera.tt_linear(x, list(cg[:num_cores]), list(cg[num_cores:]), bias,
-                                          num_in_cores, out_features, path)
-        return y, t
+        args = (x, list(cg[:num_cores]), list(cg[num_cores:]), bias, num_in_cores,
+                out_features, path)
+        if func_active():  # the transforms' layers must see the operator
+            return torch.ops.comera.tt_linear(*args)
+        # this Function records the call: the operator's registered autograd
+        # would only check and redispatch (a third of a one-row call's time)
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.comera.tt_linear.default(*args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -148,32 +100,20 @@ class _TTLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, output[1], *cg)
         ctx.save_for_forward(x, *cg)
         ctx.mark_non_differentiable(output[1])
-        ctx.num_cores, ctx.has_bias = num_cores, bias is not None
-        ctx.args = (num_in_cores, out_features, path)
+        ctx.args = (num_cores, bias is not None, num_in_cores, out_features, path)
 
     @staticmethod
     def backward(ctx, grad_y, grad_t):
-        x, t, *cg = ctx.saved_tensors
-        n = ctx.num_cores
-        num_in_cores, out_features, path = ctx.args
-        if needs_graph():
-            gx, gcores, ggates, gb = _graph_backward(grad_y, x, cg[:n], cg[n:], ctx.has_bias,
-                                                     num_in_cores, out_features)
-            return (gx if ctx.needs_input_grad[0] else None, gb, None, None, None, None,
-                    *gcores, *ggates)
-        gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
-            grad_y.contiguous(), x, t, cg[:n], cg[n:], ctx.has_bias, ctx.needs_input_grad[0],
-            num_in_cores, out_features, path)
-        return (gx if ctx.needs_input_grad[0] else None, gb if ctx.has_bias else None,
-                None, None, None, None, *gcores, *ggates)
+        gx, gcores, ggates, gb = _backward_from(ctx.saved_tensors, ctx.needs_input_grad[0],
+                                                *ctx.args, grad_y)
+        return (gx, gb, None, None, None, None, *gcores, *ggates)
 
     @staticmethod
     def jvp(ctx, dx, dbias, _a, _b, _c, _d, *dcg):
         # y = f(x, cores, gates) + bias, f linear in x and in each core and gate
         # separately: the tangent is one f call per input that has a tangent
         x, *cg = ctx.saved_tensors
-        n = ctx.num_cores
-        num_in_cores, out_features, path = ctx.args
+        n, _, num_in_cores, out_features, path = ctx.args
         out = None
 
         def add(x_, cg_):
@@ -194,12 +134,6 @@ class _TTLinearFunction(torch.autograd.Function):
         return out, None
 
 
-def _linear_function(x, cores, gates, bias, num_in_cores, out_features, path):
-    y, _ = _TTLinearFunction.apply(x, bias, num_in_cores, out_features, path, len(cores),
-                                   *cores, *gates)
-    return y
-
-
 def _fold_forward(info, in_dims, x, cores, gates, bias, num_in_cores, out_features, path):
     """Only x batched: its batch dim joins the rows, exactly."""
     if any_batched(in_dims[1:]):
@@ -214,6 +148,20 @@ def _fold_forward(info, in_dims, x, cores, gates, bias, num_in_cores, out_featur
 
 register_loop_vmap("tt_linear", _fold_forward)
 register_loop_vmap("tt_linear_backward")
+
+
+def _run(x, cores, gates, bias, num_in_cores, out_features, path):
+    """y of the operator for a 2-D contiguous x in the compute dtype."""
+    if torch.compiler.is_compiling():  # the compiled graph holds the operator
+        y, _ = torch.ops.comera.tt_linear(x, cores, gates, bias, num_in_cores, out_features, path)
+    elif torch.is_grad_enabled() or func_active():
+        y, _ = TTLinearFunction.apply(x, bias, num_in_cores, out_features, path, len(cores),
+                                      *cores, *gates)
+    else:  # nothing to record
+        with torch._C._AutoDispatchBelowAutograd():
+            y, _ = torch.ops.comera.tt_linear.default(x, cores, gates, bias, num_in_cores,
+                                                      out_features, path)
+    return y
 
 
 # Autocast (AMP): the TT contractions always accumulate in float32.  On CPU,
@@ -284,39 +232,13 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != compute:
         x2 = x2.to(compute)
-    if func_active():
-        y = _linear_function(x2.contiguous(), list(cores), list(gates), bias, num_in_cores,
-                             out_features, PATHS[path])
-    elif route.use_torch(x2, cores, gates, bias, num_in_cores, out_features, path):
+    if not func_active() and route.use_torch(x2, cores, gates, bias, num_in_cores, out_features,
+                                             path):
         y = route.merge_torch(x2, list(cores), list(gates), bias, num_in_cores, out_features)
     else:
-        y = _call_op(x2.contiguous(), cores, gates, bias, num_in_cores, out_features, PATHS[path])
+        y = _run(x2.contiguous(), list(cores), list(gates), bias, num_in_cores, out_features,
+                 PATHS[path])
     out_dtype = y.dtype if autocast else (_autocast_dtype(x, compute) or x.dtype)
     if y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y.reshape(*lead, out_features)
-
-
-def tt_linear_plan(in_modes: List[int], out_modes: List[int], ranks: List[int],
-                   in_features: int, out_features: int, batch: int) -> dict:
-    """The C planner's costs for ``batch`` rows, as a dict.
-
-    Example:
-        >>> from comera.ops import tt_linear_plan
-        >>> tt_linear_plan([8, 8, 12], [12, 16, 16], [1, 30, 30, 30, 30, 30, 1], 768, 3072, 4096)["path"]
-        'merge'
-    """
-    try:
-        v = torch.ops.comera.tt_linear_plan(list(in_modes), list(out_modes), list(ranks),
-                                            in_features, out_features, batch).tolist()
-    except ValueError as err:
-        # the native planner reports overflowing sizes as ValueError; name the arguments
-        raise ValueError(f"tt_linear_plan: in_modes {list(in_modes)}, out_modes "
-                         f"{list(out_modes)}, ranks {list(ranks)} and batch {batch} give sizes "
-                         f"that overflow int64 ({str(err).splitlines()[0]})") from None
-    return {
-        "path": PATH_NAMES[int(v[0])],
-        "batch": batch,
-        "merge": {"flops": v[1], "bytes": v[2], "seconds": v[3]},
-        "sequential": {"flops": v[4], "bytes": v[5], "seconds": v[6]},
-    }

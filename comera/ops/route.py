@@ -41,6 +41,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from comera.ops.dense import merge
+from comera.ops.linear_plan import tt_linear_plan
+
 MIN_FLOPS = 1e8
 """Forward FLOPs of the two merge-path products below which no call is timed."""
 
@@ -100,10 +103,9 @@ def merge_torch(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[
         >>> torch.allclose(y, layer(x), atol=1e-5)
         True
     """
-    from comera import tt
     p = num_in_cores
-    V = tt.merge(cores[:p], gates[:p])[: x.shape[1]]
-    U = tt.merge(cores[p:], gates[p:]).reshape(V.shape[1], -1)[:, :out_features]
+    V = merge(cores[:p], gates[:p])[: x.shape[1]]
+    U = merge(cores[p:], gates[p:]).reshape(V.shape[1], -1)[:, :out_features]
     T = x @ V
     return T @ U if bias is None else torch.addmm(bias, T, U)
 
@@ -154,7 +156,6 @@ def _time_both(x, cores, gates, bias, num_in_cores, out_features, grad) -> dict:
 
 
 def _merge_planned(cores, num_in_cores, rows, in_features, out_features) -> bool:
-    from comera.ops.linear import tt_linear_plan
     dims = [c.shape[1] for c in cores]
     ranks = [1] + [c.shape[-1] for c in cores[:-1]] + [1]
     plan = tt_linear_plan(dims[:num_in_cores], dims[num_in_cores:], ranks, in_features,

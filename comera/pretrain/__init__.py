@@ -5,7 +5,7 @@ Modules: corpus (files and the split), records (.jsonl / .parquet corpora),
 tokenizer (byte-level BPE + cache), data (blocks, batch order, masking),
 model (presets, RoBERTa, conversion), step (one optimizer step: DDP share,
 micro-batches, bf16 autocast, torch.compile), distributed (torchrun
-processes), train (the loop; its checkpoints go through comera.persistence),
+processes), train (the loop; its checkpoints go through comera.storage),
 monitor (progress, memory, Ctrl-C), report, plots, run (the whole job), cli
 (flags).
 

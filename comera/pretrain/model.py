@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from comera.layer_base import dense_params, live_ranks, size_from_ranks, tt_layers
+from comera.layers.base import dense_params, live_ranks, size_from_ranks, tt_layers
 
 
 @dataclass
@@ -139,7 +139,7 @@ def build_dense(p: Preset, vocab_size: int, seed: int) -> nn.Module:
 
 
 # Embeddings other than the word embedding are tiny (positions, one token
-# type); the issue converts the linear layers and the word embedding only.
+# type); the CoMERA model converts the linear layers and the word embedding only.
 CONVERT_EXCLUDE = ["roberta.embeddings.position_embeddings", "roberta.embeddings.token_type_embeddings"]
 # The two vocabulary-sized layers (the biggest) get their own rank.
 VOCAB_LAYERS = ["roberta.embeddings.word_embeddings", "lm_head.decoder"]

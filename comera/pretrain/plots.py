@@ -3,6 +3,8 @@ canvas, so no display and no global pyplot state are involved)."""
 import os
 from typing import Dict, List, Optional
 
+from comera.storage import write_figure
+
 COLORS = {"dense": "#1f77b4", "comera": "#d62728"}
 
 
@@ -43,7 +45,7 @@ def plot_valid_loss(results: Dict[str, dict], path: str) -> str:
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(path, fig)
     return path
 
 
@@ -72,7 +74,7 @@ def plot_train_loss(results: Dict[str, dict], path: str) -> str:
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(path, fig)
     return path
 
 
@@ -97,7 +99,7 @@ def plot_compression(results: Dict[str, dict], path: str, target: Optional[float
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(path, fig)
     return path
 
 
@@ -140,7 +142,7 @@ def plot_rank_heatmap(result: dict, path: str) -> Optional[str]:
     cbar = fig.colorbar(im, ax=ax)
     cbar.set_label("live rank / initial rank")
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(path, fig)
     return path
 
 

@@ -1,9 +1,9 @@
 """``metrics.json`` and ``report.md`` of a pre-training run."""
-import json
 import os
 from typing import Dict, List
 
 from comera.pretrain.plots import write_plots
+from comera.storage import write_json, write_text
 
 # What every method's entry in metrics.json carries (tests check for them).
 METRIC_KEYS = ("parameters", "compression_whole", "compression_converted", "valid_loss",
@@ -81,8 +81,7 @@ def write_report(run_dir: str, *, config: dict, corpus: dict, tokenizer: dict, d
     metrics = {"config": config, "environment": env, "corpus": corpus, "tokenizer": tok_public,
                "data": data, "methods": results, "comparison": compare(results), "plots": plots,
                "not_run": [m for m in requested if m not in results]}
-    with open(os.path.join(run_dir, "metrics.json"), "w") as fh:
-        json.dump(metrics, fh, indent=1)
+    write_json(os.path.join(run_dir, "metrics.json"), metrics)
 
     lines = ["# comera pretrain report", "",
              f"Preset `{config['preset_name']}`: {p['layers']} encoders, hidden {p['hidden']}, "
@@ -122,6 +121,5 @@ def write_report(run_dir: str, *, config: dict, corpus: dict, tokenizer: dict, d
     for method, r in results.items():
         if r.get("summary"):
             lines += [f"## {method} layers", "", "```", r["summary"].rstrip(), "```", ""]
-    with open(os.path.join(run_dir, "report.md"), "w") as fh:
-        fh.write("\n".join(lines))
+    write_text(os.path.join(run_dir, "report.md"), "\n".join(lines))
     return metrics

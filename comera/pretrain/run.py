@@ -17,6 +17,7 @@ from comera.pretrain.monitor import StopFlag, cpu_count
 from comera.pretrain import distributed
 from comera.pretrain.corpus import DEFAULT_TEXT_FIELDS
 from comera.pretrain.train import METHODS, Budget, Options, train_method
+from comera.storage import write_json
 
 # Settings that change what a run computes: a resumed run must keep them.
 RUN_KEYS = ("preset_name", "preset", "seed", "corpus", "max_files", "valid_fraction", "extensions",
@@ -100,8 +101,7 @@ def prepare_run_dir(args, config: dict) -> str:
         raise ValueError(f"--out {out!r} already holds a run: pass --resume to continue it, "
                          "or choose another --out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=1)
+    write_json(os.path.join(out, "config.json"), config)
     return out
 
 
@@ -217,8 +217,7 @@ def _run(args, config, p, methods, device, options: Options, log) -> dict:
                 budget=Budget(deadline, args.stop_after), stop=stop, progress=not args.quiet, log=log,
                 options=options)
             if ctx.main:
-                with open(os.path.join(run_dir, method, "result.json"), "w") as fh:
-                    json.dump(r, fh)
+                write_json(os.path.join(run_dir, method, "result.json"), r, indent=None)
             log(f"{method}: {r['stopped']} after {r['steps_done']} steps: valid loss {r['valid_loss']:.4f}, "
                 f"{r['tokens_per_s']:,.0f} tokens/s, whole-model compression {r['compression_whole']:.2f}x")
         interrupted = ctx.any(stop.requested)

@@ -111,7 +111,7 @@ class Stepper:
 
     @torch.no_grad()
     def _sync_gates(self, *_):
-        from comera.layer_base import tt_layers
+        from comera.layers.base import tt_layers
         gates = [g for _, layer in tt_layers(self.model) for g in layer.gates]
         if not gates:
             return

@@ -11,7 +11,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from comera.persistence import atomic_write
+from comera.storage import atomic_write, write_json
 
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 BOS, PAD, EOS, UNK, MASK = range(5)
@@ -120,8 +120,7 @@ def load_or_build(run_dir: str, corpus, *, vocab_size: int, max_train_tokens: in
             "tokenizer_files": len(tok_texts), "train_tokens": int(train_ids.numel()),
             "valid_tokens": int(valid_ids.numel())}
     os.makedirs(run_dir, exist_ok=True)
-    tok.save(tok_path)
+    atomic_write(tok_path, tok.save)
     atomic_write(ids_path, lambda tmp: torch.save({"train": train_ids, "valid": valid_ids}, tmp))
-    with open(meta_path, "w") as fh:
-        json.dump(meta, fh, indent=1)
+    write_json(meta_path, meta)
     return tok, train_ids, valid_ids, meta

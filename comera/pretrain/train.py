@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from comera import persistence
+from comera import storage
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
 from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
@@ -99,7 +99,7 @@ def _record_structure(history: dict, model: nn.Module, step: int, controller) ->
     history["compression"].append([step, conv])
     history["whole_compression"].append([step, whole])
     history["stage"].append([step, stage_name(controller)])
-    ranks = persistence.tt_live_ranks(model)
+    ranks = storage.tt_live_ranks(model)
     if ranks:
         history["ranks"]["step"].append(step)
         for name, r in ranks.items():
@@ -134,7 +134,7 @@ def _new_totals() -> dict:
 def _resume(path, model, optimizer, schedule, controller, ctx: Context, log) -> tuple:
     """(step, history, totals) from the checkpoint at ``path``, or a fresh
     start; every process must find the same checkpoint."""
-    state = persistence.load_training_state(path) if os.path.exists(path) else None
+    state = storage.load_training_state(path) if os.path.exists(path) else None
     step = state["step"] if state is not None else 0
     if ctx.max(step) != step or ctx.max(-step) != -step:
         raise ValueError(f"--resume: the processes found different checkpoints at {path!r} (this one: "
@@ -142,12 +142,12 @@ def _resume(path, model, optimizer, schedule, controller, ctx: Context, log) -> 
                          "directory must be on a file system that every machine reads")
     if state is None:
         return 0, _new_history(), _new_totals()
-    persistence.load_state_dict(model, state["model"])  # pruned TT layers resize first
+    storage.load_state_dict(model, state["model"])  # pruned TT layers resize first
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
     if controller is not None:
         controller.load_state_dict(state["controller"])
-    persistence.set_rng_state(state["rng"])
+    storage.set_rng_state(state["rng"])
     log(f"resumed from {path} at step {step}")
     return step, state["history"], state["totals"]
 
@@ -214,11 +214,11 @@ class _MethodRun:
         if not self.ctx.main:
             return
         c = self.controller
-        persistence.save_training_state(self.path, {
+        storage.save_training_state(self.path, {
             "method": self.method, "step": self.step, "model": self.model.state_dict(),
-            "tt_ranks": persistence.tt_shapes(self.model), "optimizer": self.optimizer.state_dict(),
+            "tt_ranks": storage.tt_shapes(self.model), "optimizer": self.optimizer.state_dict(),
             "schedule": self.schedule.state_dict(), "controller": c.state_dict() if c is not None else None,
-            "rng": persistence.rng_state(), "history": self.history, "totals": totals,
+            "rng": storage.rng_state(), "history": self.history, "totals": totals,
             "preset": asdict(self.p), "finished": self.step >= self.p.steps})
 
     def score(self) -> float:
@@ -327,5 +327,5 @@ def _result(method, model, controller, p, step, stop_reason, history, totals, me
         "train_time_s": totals["train_time_s"], "wall_time_s": totals["wall_time_s"],
         "peak_memory_bytes": totals["peak_memory_bytes"], "peak_memory_kind": memory.kind,
         "peak_memory_growth_bytes": totals["peak_memory_growth_bytes"],
-        "final_ranks": persistence.tt_live_ranks(model), "summary": summary, "history": history,
+        "final_ranks": storage.tt_live_ranks(model), "summary": summary, "history": history,
     }
