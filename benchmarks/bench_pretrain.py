@@ -12,8 +12,8 @@ here.  The entry (keyed by preset, steps and seeds) keeps every seed's
 numbers, their mean +- standard deviation and the machine record; the
 Markdown table is rewritten from all entries.  Compression is shown at the
 first and at the last step, so that what rank adaptation removed is told
-apart from what the starting ranks give.  The targets of issue 7 are checked
-on the means and shown, never asserted.  Speed is tokens per second of wall
+apart from what the starting ranks give.  The targets below are checked on
+the means and shown, never asserted.  Speed is tokens per second of wall
 clock (the training loop's own timer).
 """
 import argparse
@@ -27,10 +27,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 REPO = os.path.dirname(HERE)
 
-# Issue 7: paper preset, same steps: compression >= 4.23x and >= 1.5x the dense
-# tokens/s; tiny preset at its default budget: validation loss within 5%.
-# Issue 16, tiny preset: the converted layers' live-rank compression at least
-# doubles from the first to the last step, and the layers end with different ranks.
+# Paper preset, same steps: compression >= 4.23x and >= 1.5x the dense
+# tokens/s; tiny preset at its default budget: validation loss within 5%, the
+# converted layers' live-rank compression at least doubles from the first to
+# the last step, and the layers end with different ranks.
 TARGETS = {"paper": {"compression_whole": 4.23, "speedup": 1.5},
            "tiny": {"loss_within": 0.05, "compression_growth": 2.0, "ranks_differ": True}}
 

@@ -16,7 +16,7 @@ Measures, each against its baseline in the same run:
     dense nn.Linear against comera.TTLinear in every encoder projection, eager
     and with the whole step captured in a CUDA graph; also with a TTEmbedding
     for the token table (capturable=True in the graph case).
-Writes DIR/gpu_bench.json and DIR/gpu_bench.md (ratios and the issue's targets).
+Writes DIR/gpu_bench.json and DIR/gpu_bench.md (ratios and the speed targets).
 Times are medians over repeated loops, in milliseconds per step.
 """
 import argparse
@@ -321,7 +321,8 @@ def machine(device):
 
 
 def targets(result):
-    """The issue's two speed targets, read off the measured cases."""
+    """The two speed targets (TARGET_LINEAR, the six-encoder step), read off
+    the measured cases."""
     t = TARGET_LINEAR
     out = []
     for mode in ("eager", "graph"):
@@ -334,7 +335,7 @@ def targets(result):
                                       f"{t['rows']} rows, {t['dtype']}, fwd+bwd ({mode})",
                             "want_x": t["x"], "got_x": x, "met": x >= t["x"]})
         for c in result["transformer"]:
-            cfg = c.get("config", {"d": 768, "layers": 6})  # the issue's model only
+            cfg = c.get("config", {"d": 768, "layers": 6})  # the six-encoder model only
             if (c.get("mode") == mode and "comera" in c.get("x_vs_dense", {}) and
                     (cfg["d"], cfg["layers"]) == (768, 6)):
                 x = c["x_vs_dense"]["comera"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU check of comera (issue 6), in under 8 minutes on one GPU:
+# The one GPU check of comera, in under 8 minutes on one GPU:
 #   1. builds the extension with COMERA_CUDA=1 for this GPU's architecture
 #      (pip install --no-build-isolation --no-deps -e .; no network needed);
 #   2. runs the tests marked needs_cuda;

@@ -34,11 +34,11 @@ Setup (the peers are benchmark-only dependencies, in the `bench` extra):
     pip install --no-build-isolation -e ".[bench]"   # tensorly, tensorly-torch, galore-torch, matplotlib
 
 or simply `make install`. Each script has a `--quick` mode (tiny sizes, seconds) that
-`tests/test_bench_smoke.py` and `tests/test_bench_protocol.py` run.
+`benchmarks/tests/test_bench_smoke.py` and `benchmarks/tests/test_bench_protocol.py` run.
 
-The CPU results come from a shared 2-core virtual machine; its load average is recorded with
-each run. The GPU script (`benchmarks/gpu_check.sh`) writes `gpu_*` results when it is run on a
-GPU machine.
+The CPU results come from shared 2-core virtual machines (an AMD EPYC with AVX2, an Intel Xeon
+with AVX-512); each result names its machine and records the load average. The GPU script
+(`benchmarks/gpu_check.sh`) writes `gpu_*` results when it is run on a GPU machine.
 
 ## How we measure
 
@@ -82,19 +82,19 @@ GPU machine.
 
 # (result name, what it answers[, what to say while it is missing]).
 SECTIONS = [
-    ("peers_cpu_linear", "comera against its peers: TT linear layers (issue 18 protocol)",
+    ("peers_cpu_linear", "comera against its peers: TT linear layers",
      "Not run yet: `python benchmarks/bench_peers.py --part linear --threads 1` writes it."),
-    ("peers_cpu_transformer", "comera against its peers: six-encoder training step (issue 18 protocol)",
+    ("peers_cpu_transformer", "comera against its peers: six-encoder training step",
      "Not run yet: `python benchmarks/bench_peers.py --part transformer --threads 1` writes it."),
-    ("transformer_cpu", "The paper's six-encoder transformer (issue 8, part 2)"),
-    ("accuracy_cpu", "Accuracy against compression (issue 8, part 3)",
+    ("transformer_cpu", "The paper's six-encoder transformer"),
+    ("accuracy_cpu", "Accuracy against compression",
      "Not run yet: `python benchmarks/bench_accuracy.py` writes it (hours on 2 cores)."),
-    ("codesearch_cpu", "Code search MRR after pre-training (issue 18)",
+    ("codesearch_cpu", "Code search MRR after pre-training",
      "Not run yet: `python benchmarks/bench_codesearch.py --run runs/RUN` writes it."),
-    ("pretrain_cpu", "Pre-training, dense against CoMERA (issue 7)"),
-    ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path (issue 2)"),
-    ("bench_embedding", "TTEmbedding against nn.Embedding (issue 3)"),
-    ("prune_cpu", "Pruning: time against FLOPs (issue 4)"),
+    ("pretrain_cpu", "Pre-training, dense against CoMERA"),
+    ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path"),
+    ("bench_embedding", "TTEmbedding against nn.Embedding"),
+    ("prune_cpu", "Pruning: time against FLOPs"),
     ("heap_kept/prune_cpu", "Pruning with freed memory kept in the heap (glibc tunables, as "
      "jemalloc or tcmalloc would keep it)",
      "Not run yet: `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=2147483647:"
@@ -133,7 +133,7 @@ def stale_note(name: str) -> str:
         return ""
     if key in payload:
         return ""
-    return (f"**Measured before the rules above (issue 18); to be regenerated:** {why}. "
+    return (f"**Measured before the rules above; to be regenerated:** {why}. "
             "Treat its ratios as indicative only.\n")
 
 

@@ -1,4 +1,4 @@
-"""The torch side of docs/design.md "CPU performance: where the time goes":
+"""The torch side of the CPU kernel design (docs/design.md section 5):
 torch.mm on each batch product of the TTLinear merge path (the shapes that
 benchmarks/c/merge_gemms.c times for comera's micro-kernel), and the
 per-call time at batch 1 of TTLinear against nn.Linear.
