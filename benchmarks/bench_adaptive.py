@@ -1,5 +1,5 @@
 """Do adaptive ranks beat fixed ones?  MLM pre-training on the standard
-library at equal final TT parameter count (issue 16):
+library at equal final TT parameter count:
 
 * ``adaptive``: CoMERA rank-adaptive training: start at the preset's ranks,
   stage 1 (decoupled L1 on the gates), stage 2 to the target compression
