@@ -318,7 +318,7 @@ def markdown(payload, args):
     if at40:
         n, best = max(at40, key=lambda x: x[1]["test_accuracy"]["mean"])
         gap = (dense - best["test_accuracy"]["mean"]) * 100
-        md.append(f"\nTarget (issue 8): within 1 point of dense at >= 40x encoder compression "
+        md.append(f"\nTarget: within 1 point of dense at >= 40x encoder compression "
                   f"(means over seeds): {'met' if gap <= 1.0 else 'missed'}; the best comera "
                   f"configuration at >= 40x is {n}, {best['compression']['mean']:.1f}x at "
                   f"{best['test_accuracy']['mean'] * 100:.2f}%, {abs(gap):.2f} points "

@@ -46,7 +46,7 @@ from comera.pretrain import corpus as corpus_mod  # noqa: E402
 from comera.pretrain import tokenizer as tok_mod  # noqa: E402
 from comera.pretrain.data import MLMData  # noqa: E402
 from comera.pretrain.model import build_comera, build_dense, count_parameters, preset  # noqa: E402
-from comera.pretrain.train import evaluate, make_optimizer, make_schedule, mlm_loss_sum  # noqa: E402
+from comera.pretrain.loop import evaluate, make_optimizer, make_schedule, mlm_loss_sum  # noqa: E402
 
 
 def load_data(p, seed: int, cache: str, log=print) -> MLMData:
@@ -205,7 +205,7 @@ def markdown(res: dict) -> str:
     note = edge_note(_edge_choices(res))
     if note:
         lines += ["", note]
-    lines += ["", "Verdict (mean of the seeds; the issue's target: adaptive <= fixed at every target):", ""]
+    lines += ["", "Verdict (mean of the seeds; the target: adaptive <= fixed at every target):", ""]
     for pname, pres in res["presets"].items():
         for tkey, t in pres["targets"].items():
             a, f = t["adaptive"]["valid_mean"], t["fixed"]["valid_mean"]

@@ -224,7 +224,7 @@ def fmt_bytes(b):
 def targets(report):
     """The targets (parameters, dedup speed-up, speed against nn.Embedding,
     memory), read off this run."""
-    out = ["## Targets (issue 3)", ""]
+    out = ["## Targets", ""]
     for r in report["configs"]:
         if r["table"] == "30522 x 768" and r["rank"] == 32:
             out.append(f"- 30522 x 768 at rank 32, >= 100x fewer parameters: "

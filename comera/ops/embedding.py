@@ -1,7 +1,9 @@
 """The comera::tt_embedding operator: fake, autograd, and a convenient wrapper.
 
 Native files: ``csrc/tt_embedding/op.cpp`` (torch glue),
-``csrc/tt_embedding/cpu.c`` (the CPU kernels and the planner),
+``csrc/tt_embedding/cpu_impl.h`` and ``cpu_bwd_impl.h`` (the CPU kernels'
+bodies, compiled once per dtype as ``cpu_f32.c`` and ``cpu_f64.c``),
+``plan.c`` (the planner),
 ``csrc/tt_embedding/cuda.cu`` (the CUDA kernels); the schemas of
 ``comera::tt_embedding``, ``comera::tt_embedding_backward`` and
 ``comera::tt_embedding_plan`` are in ``csrc/registration.cpp``.

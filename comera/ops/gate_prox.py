@@ -1,7 +1,7 @@
 """The comera::gate_prox_ operator: the fused proximal step on TT gates.
 
-Native files: ``csrc/gate_prox/cpu.c`` (the C kernel, which states the
-rule), ``csrc/gate_prox/op.cpp`` (torch glue), ``csrc/gate_prox/cuda.cu``
+Native files: ``csrc/gate_prox/cpu_impl.h`` (the C kernel, which states the
+rule; compiled once per dtype as ``cpu_f32.c`` and ``cpu_f64.c``), ``csrc/gate_prox/op.cpp`` (torch glue), ``csrc/gate_prox/cuda.cu``
 (the CUDA kernel); the schema is in ``csrc/registration.cpp``.
 
 The rule exists once per device: the C kernel serves CPU tensors and, in a

@@ -1,9 +1,10 @@
 """The comera::tt_linear operator: fake, autograd, and a convenient wrapper.
 
-Native files: ``csrc/tt_linear/op.cpp`` (torch glue), ``csrc/tt_linear/cpu.c``
-(the CPU kernels and the planner), ``csrc/tt_linear/cuda.cu`` (the CUDA
-kernels); the schemas of ``comera::tt_linear``, ``comera::tt_linear_backward``
-and ``comera::tt_linear_plan`` are in ``csrc/registration.cpp``.
+Native files: ``csrc/tt_linear/op.cpp`` (torch glue), ``cpu_impl.h`` (the CPU
+kernels' body, compiled once per dtype as ``cpu_f32.c`` and ``cpu_f64.c``),
+``plan.c`` (the planner), ``cuda.cu`` (the CUDA kernels); the schemas of
+``comera::tt_linear``, ``comera::tt_linear_backward`` and
+``comera::tt_linear_plan`` are in ``csrc/registration.cpp``.
 """
 from typing import Optional, Sequence
 

@@ -1,5 +1,5 @@
 """The TT linear planner (``comera::tt_linear_plan``): which path a call
-takes and the cost model behind it (docs/design.md section 4)."""
+takes and the cost model behind it (docs/design.md section 5)."""
 from typing import List
 
 import torch

@@ -145,6 +145,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """Runs ``comera pretrain``; returns the process exit status."""
-    from comera.pretrain.run import run_pretrain
+    from comera.pretrain.pipeline import run_pretrain
     metrics = run_pretrain(args)
     return 130 if metrics.get("interrupted") else 0

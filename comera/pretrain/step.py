@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comera.pretrain.distributed import Context, split_batch
+from comera.pretrain.processes import Context, split_batch
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -80,7 +80,7 @@ class Stepper:
 
     Example:
         >>> from comera.pretrain.model import build_dense, preset
-        >>> from comera.pretrain.train import make_optimizer
+        >>> from comera.pretrain.loop import make_optimizer
         >>> p = preset("tiny"); p.layers, p.hidden, p.ffn, p.seq_len = 1, 32, 64, 16
         >>> model = build_dense(p, vocab_size=300, seed=0)
         >>> stepper = Stepper(model, make_optimizer(model, p), device=torch.device("cpu"), grad_accum=2)

@@ -3,7 +3,7 @@ references written here with plain torch (no comera helpers):
 
   comera::tt_linear (+ backward)      vs x @ W^T + b, W rebuilt by einsum
   comera::tt_embedding (+ backward)   vs F.embedding / F.embedding_bag on the rebuilt table
-  comera::gate_prox_                  vs the C kernel's rule (csrc/gate_prox/cpu.c) as a loop
+  comera::gate_prox_                  vs the C kernel's rule (csrc/gate_prox/cpu_impl.h) as a loop
 
 over random mode sizes, ranks (including ranks above the TT bound), padded
 feature counts, dtypes (float32, float64), batch sizes (0 and 1 included),
@@ -202,7 +202,7 @@ def test_tt_embedding_out_of_range_raises(num, bad, mode, pos):
 
 # ------------------------------------------------------------------ gate_prox_
 def naive_prox(gates, signs, threshold, min_live, kill):
-    """The rule of the C kernel (csrc/gate_prox/cpu.c), entry by entry."""
+    """The rule of the C kernel (csrc/gate_prox/cpu_impl.h), entry by entry."""
     if any(math.isnan(v) for g in gates for v in g):
         return [-1 if any(math.isnan(v) for v in g) else 0 for g in gates], gates, signs
     live_counts, out_g, out_s = [], [], []

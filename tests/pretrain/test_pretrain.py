@@ -25,7 +25,7 @@ from comera.pretrain import data as data_mod  # noqa: E402
 from comera.pretrain import tokenizer as tok_mod  # noqa: E402
 from comera.pretrain.model import count_parameters, preset  # noqa: E402
 from comera.pretrain.report import METRIC_KEYS  # noqa: E402
-from comera.pretrain.train import make_optimizer, make_schedule  # noqa: E402
+from comera.pretrain.loop import make_optimizer, make_schedule  # noqa: E402
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -294,7 +294,7 @@ def test_end_to_end_dense_writes_a_complete_report(code_dir, dense_run):
     assert load_metrics(out)["methods"]["dense"]["history"] == r["history"]
     # ... and a resume with other settings is refused, naming them.
     from comera.__main__ import build_parser
-    from comera.pretrain.run import run_pretrain
+    from comera.pretrain.pipeline import run_pretrain
     args = build_parser().parse_args(["pretrain", "--corpus", code_dir, "--out", out, "--resume",
                                       "--lr", "0.5", *DENSE_RUN])
     with pytest.raises(ValueError, match="lr"):
@@ -419,7 +419,7 @@ def test_end_to_end_both_methods(both_run):
 
 def test_pruned_checkpoint_reloads_into_a_fresh_model(both_run):
     from comera.pretrain.data import MLMData
-    from comera.pretrain.train import evaluate
+    from comera.pretrain.loop import evaluate
     out = both_run
     r = load_metrics(out)["methods"]["comera"]
     model, state, p, cfg = _fresh_comera(out)
@@ -450,9 +450,9 @@ def test_comera_resume_with_pruned_ranks_gives_the_same_losses(code_dir, both_ru
 
 
 # ----------------------------------------------------------- docstrings
-@pytest.mark.parametrize("module", ["corpus", "records", "data", "model", "tokenizer", "monitor", "plots", "train",
-                                    "step", "distributed",
-                                    "report", "run", "cli"])
+@pytest.mark.parametrize("module", ["corpus", "records", "data", "model", "tokenizer", "monitor", "plots", "loop",
+                                    "step", "processes",
+                                    "report", "pipeline", "cli"])
 def test_docstring_examples_run(module):
     import importlib
     mod = importlib.import_module(f"comera.pretrain.{module}")

@@ -16,10 +16,10 @@ pytest.importorskip("tokenizers", reason="comera pretrain needs the train extra"
 
 import comera  # noqa: E402
 from comera.__main__ import main  # noqa: E402
-from comera.pretrain.distributed import split_batch  # noqa: E402
+from comera.pretrain.processes import split_batch  # noqa: E402
 from comera.pretrain.model import build_comera, preset  # noqa: E402
 from comera.pretrain.step import Stepper  # noqa: E402
-from comera.pretrain.train import make_optimizer  # noqa: E402
+from comera.pretrain.loop import make_optimizer  # noqa: E402
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

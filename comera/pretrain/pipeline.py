@@ -14,9 +14,9 @@ from comera.pretrain import tokenizer as tok_mod
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import preset, preset_fields
 from comera.pretrain.monitor import StopFlag, cpu_count
-from comera.pretrain import distributed
+from comera.pretrain import processes
 from comera.pretrain.corpus import DEFAULT_TEXT_FIELDS
-from comera.pretrain.train import METHODS, Budget, Options, train_method
+from comera.pretrain.loop import METHODS, Budget, Options, train_method
 from comera.storage import write_json
 
 # Settings that change what a run computes: a resumed run must keep them.
@@ -106,8 +106,8 @@ def prepare_run_dir(args, config: dict) -> str:
 
 
 def pick_device(name: str) -> torch.device:
-    """The device of a single-process run (see :func:`distributed.pick_device`)."""
-    return distributed.pick_device(name)
+    """The device of a single-process run (see :func:`processes.pick_device`)."""
+    return processes.pick_device(name)
 
 
 def set_determinism(device: torch.device) -> None:
@@ -171,9 +171,9 @@ def run_pretrain(args, log=_log) -> dict:
     for k, v in config["preset"].items():
         setattr(p, k, v)
     grad_accum = getattr(args, "grad_accum", 1)
-    ctx, device = distributed.setup(args.device)
+    ctx, device = processes.setup(args.device)
     try:
-        distributed.split_batch(p.batch_size, ctx.world, grad_accum)
+        processes.split_batch(p.batch_size, ctx.world, grad_accum)
         options = Options(ctx=ctx, precision=getattr(args, "precision", "fp32"), grad_accum=grad_accum,
                           compile=bool(getattr(args, "compile", False)))
         return _run(args, config, p, methods, device, options, log if ctx.main else _quiet)

@@ -14,7 +14,7 @@ from comera import storage
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
 from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
-from comera.pretrain.distributed import Context
+from comera.pretrain.processes import Context
 from comera.pretrain.step import MLMObjective, Stepper, evaluate  # noqa: F401 - evaluate: this module's API
 
 METHODS = ("dense", "comera")
