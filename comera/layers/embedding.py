@@ -13,7 +13,6 @@ from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
 
 DEFAULT_CORES = 3
 _HALF = (torch.bfloat16, torch.float16)
-_DTYPES = (torch.float32, torch.float64) + _HALF
 
 
 def arrange_row_modes(row_modes: Sequence[int]) -> List[int]:
@@ -131,11 +130,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                  include_last_offset: bool = False, reuse: str = "auto",
                  capturable: bool = False, device=None, dtype=None):
         super().__init__()
-        for name, val in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(val, bool) or not isinstance(val, int):
-                raise TypeError(f"{name} must be an int, got {type(val).__name__}")
-            if not 1 <= val <= tt.INT64_MAX:
-                raise ValueError(f"{name} must be in [1, 2**63 - 1], got {val}")
+        tt.check_sizes(num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         if padding_idx is not None:
             if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
                 raise TypeError(f"padding_idx must be an int or None, got {type(padding_idx).__name__}")
@@ -148,9 +143,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
             raise ValueError(f"mode must be None, 'sum' or 'mean', got {mode!r}")
         if reuse not in REUSE:
             raise ValueError(f"reuse must be one of {sorted(REUSE)}, got {reuse!r}")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in _DTYPES:
-            raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
+        dtype = tt.layer_dtype(dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.mode = padding_idx, mode
         self.include_last_offset = bool(include_last_offset)
@@ -317,30 +310,22 @@ class TTEmbedding(TTLayerMixin, nn.Module):
 
         Example:
             >>> import torch, comera
-            >>> dense = torch.nn.Embedding(24, 6)
-            >>> tt = comera.TTEmbedding.from_dense(dense, rank=1000)   # full rank: exact
-            >>> torch.allclose(tt.weight, dense.weight, atol=1e-5)
-            True
+            >>> bag = torch.nn.EmbeddingBag(24, 6, mode="mean")
+            >>> tt = comera.TTEmbedding.from_dense(bag, rank=1000)   # full rank: exact
+            >>> tt.mode, torch.allclose(tt.weight, bag.weight, atol=1e-5)
+            ('mean', True)
         """
+        weight, dtype = tt.dense_source(embedding_or_weight, (nn.Embedding, nn.EmbeddingBag),
+                                        "(num_embeddings, embedding_dim)")
         include_last_offset = False
         if isinstance(embedding_or_weight, (nn.Embedding, nn.EmbeddingBag)):
-            weight = embedding_or_weight.weight
             padding_idx = embedding_or_weight.padding_idx if padding_idx is None else padding_idx
-            if isinstance(embedding_or_weight, nn.EmbeddingBag):
-                if embedding_or_weight.mode == "max":
-                    raise ValueError("from_dense: nn.EmbeddingBag mode 'max' has no TT counterpart")
-                mode = embedding_or_weight.mode if mode is None else mode
-                include_last_offset = embedding_or_weight.include_last_offset
-        elif isinstance(embedding_or_weight, torch.Tensor):
-            weight = embedding_or_weight
-        else:
-            raise TypeError("from_dense expects an nn.Embedding, nn.EmbeddingBag or a 2-D weight "
-                            f"tensor, got {type(embedding_or_weight).__name__}")
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be 2-D (num_embeddings, embedding_dim), got "
-                             f"{tuple(weight.shape)}")
+        if isinstance(embedding_or_weight, nn.EmbeddingBag):
+            if embedding_or_weight.mode == "max":
+                raise ValueError("from_dense: nn.EmbeddingBag mode 'max' has no TT counterpart")
+            mode = embedding_or_weight.mode if mode is None else mode
+            include_last_offset = embedding_or_weight.include_last_offset
         num, dim = weight.shape
-        dtype = weight.dtype if weight.dtype in _DTYPES else torch.float32
         layer = cls(num, dim, rank=rank, shape=shape, padding_idx=padding_idx, mode=mode,
                     include_last_offset=include_last_offset, reuse=reuse,
                     device=weight.device, dtype=dtype)

@@ -13,7 +13,6 @@ from comera.ops.linear import tt_linear
 from comera.ops.linear_plan import PATHS, tt_linear_plan
 
 _HALF = (torch.bfloat16, torch.float16)
-_DTYPES = (torch.float32, torch.float64) + _HALF
 
 
 def _check_shape(shape, features, name):
@@ -76,14 +75,8 @@ class TTLinear(TTLayerMixin, nn.Module):
                  out_shape: Optional[Sequence[int]] = None, path: str = "auto",
                  device=None, dtype=None):
         super().__init__()
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if not 1 <= v <= tt.INT64_MAX:
-                raise ValueError(f"{name} must be in [1, 2**63 - 1], got {v}")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in _DTYPES:
-            raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
+        tt.check_sizes(in_features=in_features, out_features=out_features)
+        dtype = tt.layer_dtype(dtype)
         if path not in PATHS:
             raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
         self.in_features, self.out_features = in_features, out_features
@@ -242,17 +235,10 @@ class TTLinear(TTLayerMixin, nn.Module):
             >>> torch.allclose(tt.weight, lin.weight, atol=1e-5)
             True
         """
-        if isinstance(linear_or_weight, nn.Linear):
-            weight, bias = linear_or_weight.weight, linear_or_weight.bias if bias is None else bias
-        elif isinstance(linear_or_weight, torch.Tensor):
-            weight = linear_or_weight
-        else:
-            raise TypeError("from_dense expects an nn.Linear or a 2-D weight tensor, got "
-                            f"{type(linear_or_weight).__name__}")
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}")
+        weight, dtype = tt.dense_source(linear_or_weight, (nn.Linear,), "(out_features, in_features)")
+        if isinstance(linear_or_weight, nn.Linear) and bias is None:
+            bias = linear_or_weight.bias
         out_f, in_f = weight.shape
-        dtype = weight.dtype if weight.dtype in _DTYPES else torch.float32
         layer = cls(in_f, out_f, bias=bias is not None, rank=rank, in_shape=in_shape,
                     out_shape=out_shape, path=path, device=weight.device, dtype=dtype)
         layer.load_dense_(weight, bias)

@@ -84,6 +84,50 @@ def factorize(n: int, k: Optional[int] = None) -> List[int]:
 
 
 INT64_MAX = 2**63 - 1
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+"""The parameter dtypes of the TT layers."""
+
+
+def check_sizes(**sizes: int) -> None:
+    """Each keyword a layer size: an int in ``[1, 2**63 - 1]``, else TypeError /
+    ValueError naming it.
+
+    Example:
+        >>> check_sizes(in_features=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: in_features must be in [1, 2**63 - 1], got 0
+    """
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if not 1 <= v <= INT64_MAX:
+            raise ValueError(f"{name} must be in [1, 2**63 - 1], got {v}")
+
+
+def dense_source(source, modules: tuple, layout: str):
+    """``(weight, dtype)`` of what ``from_dense`` was given: a module of the
+    ``modules`` types (its ``weight``) or a 2-D tensor ``layout``; ``dtype`` is
+    the weight's own when a TT layer may have it, else float32."""
+    if isinstance(source, modules):
+        weight = source.weight
+    elif isinstance(source, torch.Tensor):
+        weight = source
+    else:
+        names = ", ".join(f"nn.{m.__name__}" for m in modules)
+        raise TypeError(f"from_dense expects an {names} or a 2-D weight tensor, got "
+                        f"{type(source).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D {layout}, got {tuple(weight.shape)}")
+    return weight, weight.dtype if weight.dtype in DTYPES else torch.float32
+
+
+def layer_dtype(dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a layer's parameters get (``None``: torch's default), checked."""
+    dtype = torch.get_default_dtype() if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
+    return dtype
 
 
 def check_core_sizes(layer: str, core_shapes: Sequence[Sequence[int]], what: str) -> None:

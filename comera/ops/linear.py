@@ -151,20 +151,6 @@ register_loop_vmap("tt_linear", _fold_forward)
 register_loop_vmap("tt_linear_backward")
 
 
-def _run(x, cores, gates, bias, num_in_cores, out_features, path):
-    """y of the operator for a 2-D contiguous x in the compute dtype."""
-    if torch.compiler.is_compiling():  # the compiled graph holds the operator
-        y, _ = torch.ops.comera.tt_linear(x, cores, gates, bias, num_in_cores, out_features, path)
-    elif torch.is_grad_enabled() or func_active():
-        y, _ = TTLinearFunction.apply(x, bias, num_in_cores, out_features, path, len(cores),
-                                      *cores, *gates)
-    else:  # nothing to record
-        with torch._C._AutoDispatchBelowAutograd():
-            y, _ = torch.ops.comera.tt_linear.default(x, cores, gates, bias, num_in_cores,
-                                                      out_features, path)
-    return y
-
-
 # Autocast (AMP): the TT contractions always accumulate in float32.  On CPU,
 # called directly under autocast, the op casts its floating inputs to float32
 # (never float64 ones) and returns float32, like autocast's "fp32 ops"; the
@@ -233,12 +219,19 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != compute:
         x2 = x2.to(compute)
-    if not func_active() and route.use_torch(x2, cores, gates, bias, num_in_cores, out_features,
-                                             path):
-        y = route.merge_torch(x2, list(cores), list(gates), bias, num_in_cores, out_features)
-    else:
-        y = _run(x2.contiguous(), list(cores), list(gates), bias, num_in_cores, out_features,
-                 PATHS[path])
+    x2, cores, gates, code = x2.contiguous(), list(cores), list(gates), PATHS[path]
+    if torch.compiler.is_compiling():  # the compiled graph holds the operator
+        y, _ = torch.ops.comera.tt_linear(x2, cores, gates, bias, num_in_cores, out_features, code)
+    elif not func_active() and route.use_torch(x2, cores, gates, bias, num_in_cores,
+                                               out_features, path):
+        y = route.merge_torch(x2, cores, gates, bias, num_in_cores, out_features)
+    elif torch.is_grad_enabled() or func_active():
+        y, _ = TTLinearFunction.apply(x2, bias, num_in_cores, out_features, code, len(cores),
+                                      *cores, *gates)
+    else:  # nothing to record
+        with torch._C._AutoDispatchBelowAutograd():
+            y, _ = torch.ops.comera.tt_linear.default(x2, cores, gates, bias, num_in_cores,
+                                                      out_features, code)
     out_dtype = y.dtype if autocast else (_autocast_dtype(x, compute) or x.dtype)
     if y.dtype != out_dtype:
         y = y.to(out_dtype)

@@ -5,44 +5,31 @@ import argparse
 from comera.pretrain.model import PRESETS
 
 
-def _positive_int(text: str) -> int:
+def _number(text: str, cast, ok, expected: str):
+    """``cast(text)`` when ``ok`` of it holds, else argparse's error naming ``expected``."""
     try:
-        v = int(text)
+        v = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {v}")
     return v
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
-    return v
+    return _number(text, float, lambda v: v > 0, "a positive number")
 
 
 def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {v}")
-    return v
+    return _number(text, float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
 def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {v}")
-    return v
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -30,6 +30,19 @@ def short_name(name: str) -> str:
     return name
 
 
+def _finish(fig, ax, path: str, ylabel: str, title: str) -> str:
+    """Labels a line plot over steps (legend when there are lines) and writes it."""
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    write_figure(path, fig)
+    return path
+
+
 def plot_valid_loss(results: Dict[str, dict], path: str) -> str:
     fig = _figure()
     ax = fig.add_subplot()
@@ -38,15 +51,7 @@ def plot_valid_loss(results: Dict[str, dict], path: str) -> str:
         if pts:
             ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", ms=3,
                     color=COLORS.get(method), label=method)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation MLM loss (nats/token)")
-    ax.set_title("Validation loss")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    write_figure(path, fig)
-    return path
+    return _finish(fig, ax, path, "validation MLM loss (nats/token)", "Validation loss")
 
 
 def _smooth(values: List[float], window: int) -> List[float]:
@@ -67,15 +72,7 @@ def plot_train_loss(results: Dict[str, dict], path: str) -> str:
         if h["loss"]:
             window = max(1, len(h["loss"]) // 50)
             ax.plot(h["step"], _smooth(h["loss"], window), color=COLORS.get(method), label=method)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training MLM loss (moving average)")
-    ax.set_title("Training loss")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    write_figure(path, fig)
-    return path
+    return _finish(fig, ax, path, "training MLM loss (moving average)", "Training loss")
 
 
 def plot_compression(results: Dict[str, dict], path: str, target: Optional[float] = None) -> str:
@@ -91,16 +88,8 @@ def plot_compression(results: Dict[str, dict], path: str, target: Optional[float
                     color=COLORS.get(method), ls="--", label=f"{method}: converted layers")
     if target:
         ax.axhline(target, color="gray", ls=":", label=f"target {target:g}x (converted layers)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("compression (dense params / params)")
     ax.set_yscale("log")
-    ax.set_title("Compression")
-    ax.grid(alpha=0.3, which="both")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    write_figure(path, fig)
-    return path
+    return _finish(fig, ax, path, "compression (dense params / params)", "Compression")
 
 
 def plot_rank_heatmap(result: dict, path: str) -> Optional[str]:
