@@ -1,10 +1,17 @@
-"""The rank controller of :class:`comera.RankAdaptive`, over plain numbers.
+"""The rank controller of :class:`comera.RankAdaptive`, on tensors
+(docs/design.md section 4).
 
-No torch here: the controller sees each TT layer as the mode size of each
-core, each bond as its live rank count, and each gate entry as a Python
-float (its contribution).  :class:`comera.RankAdaptive` gathers those
-numbers from the model, asks :meth:`RankController.decide`, and writes the
-answer into the gates (docs/design.md section 4).
+One implementation for the CPU and CUDA: the controller reads its inputs
+(live ranks per bond, this step's proposed deaths, each entry's
+contribution) and its state (:class:`comera.adapt.state.ControllerState`:
+``lam``, the size at the start of stage 2, ``frozen``) as tensors and
+answers with tensors.  With ``sync=False`` nothing here reads a device
+value back, so on CUDA a step never waits for the GPU and can be captured
+in a CUDA graph; with ``sync=True`` the same arithmetic may read the device
+to stop its loops early (cheaper where a read costs nothing, as on the CPU).
+Both give the same decisions (tests/adapt/test_rank_device.py).  What the
+host knows without looking: the step counter, hence the stage and the
+budget's schedule.
 
 Sizes: a layer with mode sizes ``n_1..n_D`` and live ranks ``r_1..r_{D-1}``
 holds ``S = sum_k r_{k-1} n_k r_k`` parameters (``r_0 = r_D = 1``); one live
@@ -21,10 +28,16 @@ Stage 2 with a target size ``S*``:
 * deaths the proximal step proposed are undone (largest gate magnitude
   before the step first) while ``S`` is below the floor;
 * once ``S <= S*`` (or no kill can bring it closer) the ranks freeze.
+
+Layout: bonds (one per gate) in the order of :func:`bonds`; where a matrix
+over (bond, entry) is needed, each bond's gate is padded to the longest.
 """
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from comera.adapt.state import ControllerState
 
 # The budget reaches the target after this fraction of stage 2; the rest of
 # stage 2 fine-tunes at the final ranks.
@@ -35,10 +48,9 @@ LAMBDA_RANGE = (1e-3, 1e3)  # lam stays within this factor range of its start
 # Deaths never take the size below S* / (1 + UNDERSHOOT): compression at
 # most 3% above the target.
 UNDERSHOOT = 0.03
+INF = float("inf")
 
 Shapes = Sequence[Sequence[int]]    # per layer: the mode size of each core
-Live = Sequence[Sequence[int]]      # per layer: live ranks per bond
-Scores = List[Dict[int, float]]     # per bond: entry -> contribution
 
 
 def bonds(shapes: Shapes) -> List[Tuple[int, int]]:
@@ -51,200 +63,242 @@ def bonds(shapes: Shapes) -> List[Tuple[int, int]]:
     return [(li, k) for li, modes in enumerate(shapes) for k in range(len(modes) - 1)]
 
 
-def tt_size(shapes: Shapes, live: Live) -> int:
-    """``S = sum_k r_{k-1} n_k r_k`` summed over the layers.
+class TTSizes:
+    """The parameter count of TT layers as a function of their live ranks.
+
+    Args:
+        shapes: per layer, the mode size of each core.
+        device: where the index tensors (and so the answers) live.
 
     Example:
-        >>> tt_size([[4, 4, 4]], [[2, 3]])  # 1*4*2 + 2*4*3 + 3*4*1
-        44
+        >>> import torch
+        >>> sizes = TTSizes([[4, 4, 4]], torch.device("cpu"))
+        >>> live = torch.tensor([2, 3])
+        >>> int(sizes.size(live)), sizes.cost(live).tolist()  # 1*4*2 + 2*4*3 + 3*4*1
+        (44, [16, 12])
     """
-    total = 0
-    for modes, ranks in zip(shapes, live):
-        full = [1] + list(ranks) + [1]
-        total += sum(full[k] * n * full[k + 1] for k, n in enumerate(modes))
-    return total
 
+    def __init__(self, shapes: Shapes, device: torch.device):
+        where = bonds(shapes)
+        nb = len(where)
+        # per core: its left and right bond (nb: the constant rank 1 at either end)
+        left, right, modes, first = [], [], [], []
+        for li, m in enumerate(shapes):
+            first.append(len(modes))
+            base = sum(len(s) - 1 for s in shapes[:li])
+            for k, n in enumerate(m):
+                left.append(base + k - 1 if k > 0 else nb)
+                right.append(base + k if k < len(m) - 1 else nb)
+                modes.append(n)
+        # per bond (layer li, bond k): cost = r_left(core k) n_k + n_{k+1} r_right(core k+1)
+        core = [first[li] + k for li, k in where]
 
-def rank_cost(modes: Sequence[int], ranks: Sequence[int], k: int) -> int:
-    """Parameters one live rank of bond k costs (both cores it joins).
+        def as_long(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+        self._left, self._right, self._modes = as_long(left), as_long(right), as_long(modes)
+        self._cost_l, self._n_l = as_long([left[c] for c in core]), as_long([modes[c] for c in core])
+        self._cost_r = as_long([right[c + 1] for c in core])
+        self._n_r = as_long([modes[c + 1] for c in core])
+        self.bond_ids = torch.arange(nb, device=device)
 
-    Example:
-        >>> rank_cost([4, 4, 4], [2, 3], 0), rank_cost([4, 4, 4], [2, 3], 1)
-        (16, 12)
-    """
-    full = [1] + list(ranks) + [1]
-    return full[k] * modes[k] + modes[k + 1] * full[k + 2]
+    def _ext(self, live: torch.Tensor) -> torch.Tensor:
+        """Live ranks with a trailing 1 (the outer ranks), along the last dimension."""
+        return torch.cat([live, torch.ones_like(live[..., :1])], dim=-1)
 
+    def size(self, live: torch.Tensor) -> torch.Tensor:
+        """``S = sum_k r_{k-1} n_k r_k`` over all layers; ``live``: (..., bonds) int64."""
+        ext = self._ext(live)
+        return (ext.index_select(-1, self._left) * self._modes
+                * ext.index_select(-1, self._right)).sum(-1)
 
-@dataclass(frozen=True)
-class Proposal:
-    """A death the proximal step proposed: gate entry ``entry`` of bond
-    ``bond`` (an index into :func:`bonds`), whose value before the step had
-    absolute value ``magnitude``."""
-    bond: int
-    entry: int
-    magnitude: float
-
-
-@dataclass
-class Decision:
-    """(bond, entry) pairs: proposed deaths to undo, and extra deaths."""
-    revive: List[Tuple[int, int]] = field(default_factory=list)
-    kill: List[Tuple[int, int]] = field(default_factory=list)
+    def cost(self, live: torch.Tensor) -> torch.Tensor:
+        """Parameters one live rank of each bond costs (both cores it joins)."""
+        ext = self._ext(live)
+        return (ext.index_select(-1, self._cost_l) * self._n_l
+                + self._n_r * ext.index_select(-1, self._cost_r))
 
 
 class RankController:
     """Budgets, the dual variable ``lam`` and kill / revive decisions.
 
     Args:
+        shapes: per layer, the mode size of each core.
         gamma: stage-1 L1 weight (the start value of ``lam``, 1e-4 if 0).
         stage1_steps, stage2_steps: lengths of the two stages, in steps.
         target_size: ``S*`` (live parameters to reach), or None.
         min_rank: no bond is taken below this many live ranks.
 
     Example:
-        >>> ctl = RankController(gamma=1e-3, stage1_steps=0, stage2_steps=4, target_size=30.0)
-        >>> shapes = [[4, 4, 4]]                  # one layer, S = 60 at ranks [3, 3]
-        >>> step0 = lambda: [{0: 0.5, 1: 0.1, 2: 0.9}, {0: 0.2, 1: 0.3, 2: 0.4}]
-        >>> ctl.decide(0, shapes, [[3, 3]], [], step0).kill  # budget 30 + 30 / 8: S -> 32
-        [(0, 1), (1, 0)]
-        >>> step1 = lambda: [{0: 0.5, 2: 0.9}, {1: 0.3, 2: 0.4}]
-        >>> ctl.decide(1, shapes, [[2, 2]], [], step1).kill, ctl.frozen  # a kill lands at 20
-        ([], True)
+        >>> import torch
+        >>> from comera.adapt.state import ControllerState
+        >>> ctl = RankController([[4, 4, 4]], gamma=1e-3, stage1_steps=0, stage2_steps=4,
+        ...                      target_size=30.0)
+        >>> state = ControllerState.for_gates([torch.ones(3), torch.ones(3)])
+        >>> live = torch.tensor([3, 3])                        # S = 60
+        >>> scores = torch.tensor([[0.5, 0.1, 0.9], [0.2, 0.3, 0.4]], dtype=torch.float64)
+        >>> none = torch.zeros(2, 3, dtype=torch.bool)
+        >>> revive, kill = ctl.decide(state, live, none, scores, lambda: scores,
+        ...                           torch.tensor(True), lengths=[3, 3])
+        >>> kill.nonzero().tolist()                            # budget 33.75: S -> 32
+        [[0, 1], [1, 0]]
     """
 
-    def __init__(self, *, gamma: float, stage1_steps: int, stage2_steps: int,
+    def __init__(self, shapes: Shapes, *, gamma: float, stage1_steps: int, stage2_steps: int,
                  target_size: Optional[float], min_rank: int = 1):
+        self.shapes = [list(m) for m in shapes]
         self.gamma = gamma
         self.stage1_steps = stage1_steps
         self.stage2_steps = stage2_steps
         self.target_size = target_size
         self.min_rank = min_rank
-        self.lam = 0.0
-        self.lam0 = 0.0
-        self.size_start: Optional[int] = None  # S when stage 2 began
-        self.frozen = False  # set once the target is reached
+        self._sizes: Dict[torch.device, TTSizes] = {}
 
+    def sizes(self, device: torch.device) -> TTSizes:
+        """The size formulas on ``device`` (built once per device)."""
+        if device not in self._sizes:
+            self._sizes[device] = TTSizes(self.shapes, device)
+        return self._sizes[device]
+
+    # ------------------------------------------------------------ schedule
     def stage(self, step: int) -> int:
         """1 during the first ``stage1_steps`` steps, 2 afterwards."""
         return 1 if step < self.stage1_steps else 2
 
-    def ranks_frozen(self, step: int) -> bool:
-        """True once ranks no longer change (target reached, or stage 2 without a target)."""
-        return self.frozen or (self.stage(step) == 2 and self.target_size is None)
+    def reach_steps(self) -> int:
+        """Stage-2 steps after which the budget equals the target."""
+        return max(1, math.ceil(self.stage2_steps * REACH_FRACTION))
 
-    def penalty_weights(self, shapes: Shapes, live: Live) -> Tuple[float, List[float]]:
-        """Stage 2: ``(lam, w)`` with ``w_b`` the cost of one rank of bond b
-        over the mean cost, so expensive ranks feel more pressure."""
-        costs = [rank_cost(shapes[li], live[li], k) for li, k in bonds(shapes)]
-        mean = sum(costs) / len(costs)
-        lam = self.lam if self.size_start is not None else self.gamma
-        return lam, [c / mean for c in costs]
+    def schedule_frozen(self, step: int) -> bool:
+        """True when the ranks are frozen at ``step`` whatever the gates hold:
+        stage 2 without a target, or past the step where the budget reached
+        the target (the controller froze there at the latest)."""
+        return self.stage(step) == 2 and (
+            self.target_size is None or step - self.stage1_steps >= self.reach_steps())
 
-    def budget(self, t: int) -> float:
+    def budget(self, t: int, size_start: torch.Tensor) -> torch.Tensor:
         """The size allowed after stage-2 step t (0-based): cubic from the start size to S*."""
         target = self.target_size
-        reach = max(1, math.ceil(self.stage2_steps * REACH_FRACTION))
-        frac = min(1.0, (t + 1) / reach)
-        return target + (self.size_start - target) * (1.0 - frac) ** 3
+        frac = min(1.0, (t + 1) / self.reach_steps())
+        return target + (size_start - target) * (1.0 - frac) ** 3
 
-    def decide(self, step: int, shapes: Shapes, live: Live, proposals: Sequence[Proposal],
-               scores: Callable[[], Scores]) -> Decision:
-        """What to change after the proximal step of ``step`` (0-based).
+    def penalty_weights(self, state: ControllerState,
+                        live: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Stage 2: ``(lam, w)`` with ``w_b`` the cost of one rank of bond b
+        over the mean cost, so expensive ranks feel more pressure; ``lam`` is
+        ``gamma`` until the stage-2 controller starts."""
+        costs = self.sizes(live.device).cost(live).double()
+        lam = torch.where(state.started, state.lam, state.lam.new_full((), self.gamma))
+        return lam, costs / (costs.sum() / costs.numel())
 
-        ``live``: live ranks after the proximal step; ``proposals``: the
-        deaths it made.  ``scores()`` gives, per bond, the contribution of
-        every entry live after the step and of every proposed death (as if
-        kept); it is called only when a kill is needed.  Updates ``lam``,
-        ``size_start`` and ``frozen``.
+    # ----------------------------------------------------------- decisions
+    def decide(self, state: ControllerState, live: torch.Tensor, died: torch.Tensor,
+               magnitude: torch.Tensor, scores: Callable[[], torch.Tensor], ok: torch.Tensor,
+               lengths: Sequence[int], sync: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What to change after the proximal step of ``state.step``: returns
+        (revive, kill) masks over (bond, entry), and updates ``state``
+        (``lam``, the start size, ``frozen``).
+
+        ``live``: live ranks per bond after the proximal step; ``died``: its
+        proposed deaths, ``magnitude`` their ``|g|`` before the step;
+        ``scores()`` (stage 2, when a kill may be needed): each entry's
+        contribution, ``inf`` where the entry is neither live nor a proposed
+        death; ``ok``: False makes the whole step a no-op (a NaN gate);
+        ``lengths``: each bond's gate length (bounds the number of kills);
+        ``sync``: may read the device to stop early (module doc).
         """
-        decision = Decision()
-        if self.target_size is None or self.frozen:
-            return decision
-        live = [list(r) for r in live]
-        decision.revive = self._revivals(shapes, live, proposals)
-        size = tt_size(shapes, live)
-        if size <= self.target_size:
-            self.frozen = True
-            return decision
-        if self.stage(step) != 2:
-            return decision
-        budget = self._dual_step(step, size)
-        if size > budget:
-            revived = set(decision.revive)
-            dropped = {(p.bond, p.entry) for p in proposals} - revived
-            alive = [{j: c for j, c in per.items() if (b, j) not in dropped}
-                     for b, per in enumerate(scores())]
-            decision.kill = self._kills(shapes, live, size, budget, alive)
-        return decision
+        target = self.target_size
+        if target is None:  # nothing to reach: the kernel's deaths stand
+            return torch.zeros_like(died), torch.zeros_like(died)
+        sizes = self.sizes(live.device)
+        active = ok & ~state.frozen
+        revive = self._revivals(sizes, live, died, magnitude, sync) & active
+        live = live + revive.sum(1)
+        size = sizes.size(live)
+        reached = active & (size.double() <= target)
+        state.frozen |= reached
+        active = active & ~reached
+        kill = torch.zeros_like(died)
+        if self.stage(state.step) != 2:
+            return revive, kill
+        budget = self._dual_step(state, size, active)
+        need = active & (size.double() > budget)
+        if sync and not bool(need):
+            return revive, kill
+        final = budget <= target
+        alive = scores().masked_fill(died & ~revive, INF)
+        rounds = sum(max(0, n - self.min_rank) for n in lengths)
+        kill = self._kills(sizes, live, size, budget, alive, need, final, rounds, sync)
+        state.frozen |= need & final
+        return revive, kill
 
-    def _dual_step(self, step: int, size: int) -> float:
-        """Starts stage 2 if needed, updates ``lam``; returns this step's budget."""
-        if self.size_start is None:
-            self.size_start = size
-            self.lam0 = self.lam = self.gamma if self.gamma > 0 else 1e-4
-        budget = self.budget(step - self.stage1_steps)
-        lo, hi = (self.lam0 * r for r in LAMBDA_RANGE)
-        self.lam = min(hi, max(lo, self.lam * math.exp(DUAL_GAIN * (size / budget - 1.0))))
+    def _dual_step(self, state: ControllerState, size: torch.Tensor,
+                   active: torch.Tensor) -> torch.Tensor:
+        """Starts stage 2 where needed, updates ``lam`` (both where ``active``);
+        returns this step's budget."""
+        start = self.gamma if self.gamma > 0 else 1e-4
+        begin = active & ~state.started
+        state.size_start.copy_(torch.where(begin, size.double(), state.size_start))
+        state.lam0.copy_(torch.where(begin, state.lam0.new_full((), start), state.lam0))
+        state.lam.copy_(torch.where(begin, state.lam0, state.lam))
+        state.started |= active
+        budget = self.budget(state.step - self.stage1_steps, state.size_start)
+        lo, hi = (state.lam0 * r for r in LAMBDA_RANGE)
+        lam = torch.minimum(hi, torch.maximum(lo, state.lam * torch.exp(
+            DUAL_GAIN * (size.double() / budget - 1.0))))
+        state.lam.copy_(torch.where(active, lam, state.lam))
         return budget
 
-    def _revivals(self, shapes: Shapes, live: List[List[int]],
-                  proposals: Sequence[Proposal]) -> List[Tuple[int, int]]:
-        """Proposed deaths to undo, largest magnitude first, while the size is
-        below the floor (``live`` is updated)."""
+    def _revivals(self, sizes: TTSizes, live: torch.Tensor, died: torch.Tensor,
+                  magnitude: torch.Tensor, sync: bool) -> torch.Tensor:
+        """Proposed deaths to undo, largest magnitude first (ties: larger bond,
+        then larger entry, first), while the size is below the floor.  The
+        size after each candidate prefix is computed at once, since reviving
+        a rank of bond b adds exactly the cost of bond b at the ranks then."""
         floor = self.target_size / (1.0 + UNDERSHOOT)
-        size = tt_size(shapes, live)
-        if size >= floor:
-            return []
-        where = bonds(shapes)
-        out = []
-        for p in sorted(proposals, key=lambda p: (p.magnitude, p.bond, p.entry), reverse=True):
-            if size >= floor:
-                break
-            li, k = where[p.bond]
-            size += rank_cost(shapes[li], live[li], k)
-            live[li][k] += 1
-            out.append((p.bond, p.entry))
-        return out
+        nb, width = died.shape
+        n = nb * width
+        keys = torch.where(died, magnitude, -INF).flatten().flip(0)  # flat index descending
+        _, pos = torch.sort(keys, descending=True, stable=True)
+        order = (n - 1) - pos
+        if sync:  # the proposed deaths sort first: only they can be revived
+            order = order[:int(died.sum())]
+        is_prop = died.flatten().index_select(0, order)
+        bond = torch.div(order, width, rounding_mode="floor")
+        inc = ((bond[:, None] == sizes.bond_ids[None, :]) & is_prop[:, None]).long()
+        before = sizes.size(live[None, :] + inc.cumsum(0) - inc)  # the size before each candidate
+        take = is_prop & (before.double() < floor)
+        return torch.zeros(n, dtype=torch.bool, device=died.device).scatter(
+            0, order, take).view(nb, width)
 
-    def _kills(self, shapes: Shapes, live: List[List[int]], size: int, budget: float,
-               alive: Scores) -> List[Tuple[int, int]]:
+    def _kills(self, sizes: TTSizes, live, size, budget, alive, going, final, rounds: int,
+               sync: bool) -> torch.Tensor:
         """Greedy kills of the cheapest ranks (least contribution per parameter
-        saved) until size <= budget, never below the floor.  When the budget
-        is the target and no allowed kill remains, takes the one kill that
-        lands closest to S* if it beats stopping, then freezes."""
-        target = self.target_size
-        floor = target / (1.0 + UNDERSHOOT)
-        final = budget <= target
-        where = bonds(shapes)
-        out = []
-        while size > budget:
-            best = None     # (score, bond, entry, cost)
-            closest = None  # (|log(size'/S*)|, bond, entry, cost)
-            for b, (li, k) in enumerate(where):
-                if live[li][k] <= self.min_rank:
-                    continue
-                cost = rank_cost(shapes[li], live[li], k)
-                j = min(sorted(alive[b]), key=alive[b].__getitem__)  # first smallest
-                score = alive[b][j] / cost
-                if size - cost >= floor:
-                    if best is None or score < best[0]:
-                        best = (score, b, j, cost)
-                else:
-                    miss = abs(math.log((size - cost) / target)) if size > cost else math.inf
-                    if closest is None or miss < closest[0]:
-                        closest = (miss, b, j, cost)
-            if best is None:
-                if not (final and closest is not None
-                        and closest[0] < abs(math.log(size / target))):
-                    break
-                best = closest
-            _, b, j, cost = best
-            li, k = where[b]
-            del alive[b][j]
-            live[li][k] -= 1
-            size -= cost
-            out.append((b, j))
-        if final:
-            self.frozen = True
-        return out
+        saved) until ``size <= budget``, never below the floor.  When the
+        budget is the target and no allowed kill remains, takes the one kill
+        that lands closest to S* if it beats stopping.  A fixed number of
+        masked rounds (one kill or none each; as many as entries could ever
+        die), so no round asks the host whether to go on unless ``sync``."""
+        target, floor = self.target_size, self.target_size / (1.0 + UNDERSHOOT)
+        kill = torch.zeros(alive.shape, dtype=torch.bool, device=alive.device)
+        entries = torch.arange(alive.shape[1], device=alive.device)
+        for _ in range(rounds):
+            cost = sizes.cost(live)
+            low, arg = alive.min(dim=1)  # first smallest contribution per bond
+            elig = live > self.min_rank
+            after = size - cost
+            allowed = elig & (after.double() >= floor)
+            best = torch.where(allowed, low / cost.double(), INF).argmin()
+            miss = torch.where(after > 0, (after.double() / target).log().abs(), INF)
+            miss = torch.where(elig & ~allowed, miss, INF)
+            closest = miss.argmin()
+            use_closest = final & (miss.min() < (size.double() / target).log().abs())
+            going = going & (size.double() > budget) & (allowed.any() | use_closest)
+            if sync and not bool(going):
+                break
+            hit = (sizes.bond_ids == torch.where(allowed.any(), best, closest)) & going
+            cell = hit[:, None] & (entries == (arg * hit).sum())[None, :]
+            kill |= cell
+            alive = alive.masked_fill(cell, INF)
+            size = size - (cost * hit).sum()
+            live = live - hit.long()
+        return kill

@@ -13,7 +13,7 @@ from torch import nn
 from comera.layers.base import replace_data, tt_layers
 
 
-def _keep_indices(gate: torch.Tensor) -> torch.Tensor:
+def keep_indices(gate: torch.Tensor) -> torch.Tensor:
     keep = torch.nonzero(gate.detach() != 0).flatten()
     if keep.numel() == 0:
         # A bond with no live rank makes the layer identically zero; one slice
@@ -100,7 +100,7 @@ def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -
     for name, layer in tt_layers(model):
         found = True
         gates = list(layer.gates)
-        keeps = [_keep_indices(g) for g in gates]
+        keeps = [keep_indices(g) for g in gates]
         cut = [None if keep.numel() == g.numel() else keep for keep, g in zip(keeps, gates)]
         if all(c is None for c in cut):
             continue

@@ -1,171 +1,212 @@
-"""comera.rank_controller: the rank controller over plain numbers (no model,
-no tensors).  References: sizes and rank costs worked out by hand, the cubic
-budget and the dual-ascent formula written out, and small kill / revive
-cases whose answer is argued in each test."""
+"""comera.adapt.controller: the rank controller on tensors, with no model.
+References: sizes and rank costs worked out by hand, the cubic budget and
+the dual-ascent formula written out, and small kill / revive cases whose
+answer is argued in each test.  Every decision case runs in both modes:
+``sync=True`` (may read to stop early) and ``sync=False`` (no reads)."""
 import math
-import subprocess
-import sys
 
 import pytest
+import torch
 
-from comera import rank_controller as rc
-from comera.rank_controller import Proposal, RankController
+from comera.adapt import controller as rc
+from comera.adapt.controller import RankController, TTSizes
+from comera.adapt.state import ControllerState
 
 SHAPES = [[4, 4, 4], [8, 2]]  # two layers: 3 cores (2 bonds) and 2 cores (1 bond)
+CPU = torch.device("cpu")
+BOTH_MODES = pytest.mark.parametrize("sync", [True, False])
 
 
-def _ctl(target=None, **kw):
+def _ctl(target=None, shapes=([4, 4, 4],), **kw):
     args = dict(gamma=1e-3, stage1_steps=0, stage2_steps=4, target_size=target, min_rank=1)
     args.update(kw)
-    return RankController(**args)
+    return RankController(shapes, **args)
+
+
+def _state(nb, width=3):
+    return ControllerState.for_gates([torch.ones(width) for _ in range(nb)])
+
+
+def _decide(ctl, state, step, live, proposals, scores, sync):
+    """ctl.decide in plain terms: ``live`` ranks per bond, ``proposals``
+    (bond, entry, magnitude), ``scores`` per bond {entry: contribution} or
+    None where the controller must not need them (checked when ``sync``: a
+    sync-free controller always evaluates them in stage 2).  Returns the
+    sorted (bond, entry) lists of revivals and kills."""
+    nb, width = len(live), 3
+    died = torch.zeros(nb, width, dtype=torch.bool)
+    magnitude = torch.zeros(nb, width, dtype=torch.float64)
+    for b, j, m in proposals:
+        died[b, j], magnitude[b, j] = True, m
+    matrix = torch.full((nb, width), math.inf, dtype=torch.float64)
+    for b, per in enumerate(scores or []):
+        for j, c in per.items():
+            matrix[b, j] = c
+
+    def score_fn():
+        if scores is None and sync:
+            pytest.fail("scores were not needed")
+        return matrix
+    state.step = step
+    revive, kill = ctl.decide(state, torch.tensor(live), died, magnitude, score_fn,
+                              torch.tensor(True), [width] * nb, sync=sync)
+    as_pairs = lambda m: sorted(map(tuple, m.nonzero().tolist()))  # noqa: E731
+    return as_pairs(revive), as_pairs(kill)
 
 
 # ------------------------------------------------------------ sizes and costs
 def test_size_and_rank_cost_by_hand():
-    live = [[2, 3], [5]]
+    sizes = TTSizes(SHAPES, CPU)
+    live = torch.tensor([2, 3, 5])
     # layer 0: 1*4*2 + 2*4*3 + 3*4*1 = 44; layer 1: 1*8*5 + 5*2*1 = 50
-    assert rc.tt_size(SHAPES, live) == 94
+    assert int(sizes.size(live)) == 94
     # one rank of bond 0 of layer 0 joins core 0 (1 x 4) and core 1 (4 x 3)
-    assert rc.rank_cost(SHAPES[0], live[0], 0) == 1 * 4 + 4 * 3
-    assert rc.rank_cost(SHAPES[0], live[0], 1) == 2 * 4 + 4 * 1
-    assert rc.rank_cost(SHAPES[1], live[1], 0) == 8 + 2
+    assert sizes.cost(live).tolist() == [1 * 4 + 4 * 3, 2 * 4 + 4 * 1, 8 + 2]
     # the cost is what one more rank adds to the size
-    for li, k in rc.bonds(SHAPES):
-        more = [list(r) for r in live]
-        more[li][k] += 1
-        assert rc.tt_size(SHAPES, more) - rc.tt_size(SHAPES, live) == \
-            rc.rank_cost(SHAPES[li], live[li], k)
+    for b in range(3):
+        more = live.clone()
+        more[b] += 1
+        assert int(sizes.size(more) - sizes.size(live)) == int(sizes.cost(live)[b])
     assert rc.bonds(SHAPES) == [(0, 0), (0, 1), (1, 0)]
+    # batched: one size per row
+    assert sizes.size(torch.stack([live, live + 1])).tolist() == [94, int(sizes.size(live + 1))]
 
 
 def test_budget_is_cubic_from_the_start_size_to_the_target():
     ctl = _ctl(target=100.0, stage2_steps=10)
-    ctl.size_start = 900
+    start = torch.tensor(900.0, dtype=torch.float64)
     reach = math.ceil(10 * rc.REACH_FRACTION)
+    assert ctl.reach_steps() == reach
     for t in range(12):
         frac = min(1.0, (t + 1) / reach)
-        assert ctl.budget(t) == pytest.approx(100 + 800 * (1 - frac) ** 3)
-    assert ctl.budget(reach - 1) == 100.0 and ctl.budget(20) == 100.0
+        assert float(ctl.budget(t, start)) == pytest.approx(100 + 800 * (1 - frac) ** 3)
+    assert float(ctl.budget(reach - 1, start)) == 100.0 and float(ctl.budget(20, start)) == 100.0
 
 
 def test_stage_and_frozen_without_a_target():
     ctl = _ctl(stage1_steps=3)
     assert [ctl.stage(s) for s in range(5)] == [1, 1, 1, 2, 2]
-    assert not ctl.ranks_frozen(2) and ctl.ranks_frozen(3)  # stage 2 fine-tunes
-    assert ctl.decide(5, SHAPES, [[3, 3], [4]], [], lambda: pytest.fail("no scores needed")) \
-        == rc.Decision()
+    assert not ctl.schedule_frozen(2) and ctl.schedule_frozen(3)  # stage 2 fine-tunes
+    assert _decide(ctl, _state(2), 5, [3, 3], [], None, sync=True) == ([], [])
+    with_target = _ctl(target=10.0, stage1_steps=3, stage2_steps=4)   # reach: 2 steps
+    assert [with_target.schedule_frozen(s) for s in range(3, 7)] == [False, False, True, True]
 
 
 def test_penalty_weights_are_costs_over_their_mean():
-    ctl = _ctl(target=10.0, gamma=0.2)
-    live = [[2, 3], [5]]
-    lam, w = ctl.penalty_weights(SHAPES, live)
+    ctl = _ctl(target=10.0, gamma=0.2, shapes=SHAPES)
+    state = _state(3)
+    lam, w = ctl.penalty_weights(state, torch.tensor([2, 3, 5]))
     costs = [16, 12, 10]
-    assert lam == 0.2  # stage 2 has not started: gamma
-    assert w == pytest.approx([c / (sum(costs) / 3) for c in costs])
-    ctl.size_start, ctl.lam = 500, 0.7
-    assert ctl.penalty_weights(SHAPES, live)[0] == 0.7
+    assert float(lam) == 0.2  # stage 2 has not started: gamma
+    assert w.tolist() == pytest.approx([c / (sum(costs) / 3) for c in costs])
+    state.started.fill_(True)
+    state.lam.fill_(0.7)
+    assert float(ctl.penalty_weights(state, torch.tensor([2, 3, 5]))[0]) == 0.7
 
 
 # ---------------------------------------------------------- the dual variable
-def test_dual_ascent_grows_lam_above_budget_and_clamps():
+@BOTH_MODES
+def test_dual_ascent_grows_lam_above_budget_and_clamps(sync):
     ctl = _ctl(target=10.0, gamma=0.5, stage2_steps=100)
-    shapes, live = [[4, 4, 4]], [[3, 3]]          # S = 60
+    state = _state(2)                                   # S = 60 at ranks [3, 3]
     scores = [{0: 1.0, 1: 1.0, 2: 1.0}, {0: 1.0, 1: 1.0, 2: 1.0}]
-    ctl.decide(0, shapes, live, [], lambda: [dict(s) for s in scores])
-    assert ctl.size_start == 60 and ctl.lam0 == 0.5
-    budget = ctl.budget(0)
-    assert ctl.lam == pytest.approx(0.5 * math.exp(rc.DUAL_GAIN * (60 / budget - 1)))
-    ctl.lam = 0.5 * rc.LAMBDA_RANGE[1] * 0.999
-    ctl.decide(1, shapes, live, [], lambda: [dict(s) for s in scores])
-    assert ctl.lam == 0.5 * rc.LAMBDA_RANGE[1]          # clamped at the top
+    _decide(ctl, state, 0, [3, 3], [], scores, sync)
+    assert float(state.size_start) == 60 and float(state.lam0) == 0.5 and bool(state.started)
+    budget = float(ctl.budget(0, state.size_start))
+    assert float(state.lam) == pytest.approx(0.5 * math.exp(rc.DUAL_GAIN * (60 / budget - 1)))
+    state.lam.fill_(0.5 * rc.LAMBDA_RANGE[1] * 0.999)
+    _decide(ctl, state, 1, [3, 3], [], scores, sync)
+    assert float(state.lam) == 0.5 * rc.LAMBDA_RANGE[1]          # clamped at the top
     zero = _ctl(target=10.0, gamma=0.0, stage2_steps=100)
-    zero.decide(0, shapes, live, [], lambda: [dict(s) for s in scores])
-    assert zero.lam0 == 1e-4  # gamma 0: lam starts small, not at 0
+    zstate = _state(2)
+    _decide(zero, zstate, 0, [3, 3], [], scores, sync)
+    assert float(zstate.lam0) == 1e-4  # gamma 0: lam starts small, not at 0
 
 
 # --------------------------------------------------------------------- kills
-def test_kills_take_least_contribution_per_parameter_until_the_budget():
+@BOTH_MODES
+def test_kills_take_least_contribution_per_parameter_until_the_budget(sync):
     ctl = _ctl(target=30.0, stage2_steps=4)
-    shapes = [[4, 4, 4]]                           # S = 60 at ranks [3, 3]
+    state = _state(2)                              # S = 60 at ranks [3, 3]
     scores = [{0: 0.5, 1: 0.1, 2: 0.9}, {0: 0.2, 1: 0.3, 2: 0.4}]
-    d = ctl.decide(0, shapes, [[3, 3]], [], lambda: scores)
     # budget 30 + 30/8 = 33.75.  Both bonds cost 16: entry 1 of bond 0
     # (0.1/16) goes first; then bond 0 would cost 16 (28 < floor 29.1) and
     # bond 1 costs 12: its smallest entry, 0, goes (S = 32).
-    assert d.kill == [(0, 1), (1, 0)] and d.revive == []
-    assert not ctl.frozen
+    assert _decide(ctl, state, 0, [3, 3], [], scores, sync) == ([], [(0, 1), (1, 0)])
+    assert not bool(state.frozen)
     # at the target budget no allowed kill remains and none lands closer
     # than 32 (each leaves 20): freeze with nothing killed
-    d = ctl.decide(1, shapes, [[2, 2]], [], lambda: [{0: 0.5, 2: 0.9}, {1: 0.3, 2: 0.4}])
-    assert d.kill == [] and ctl.frozen
-    assert ctl.decide(2, shapes, [[2, 2]], [], lambda: pytest.fail("frozen")) == rc.Decision()
+    assert _decide(ctl, state, 1, [2, 2], [], [{0: 0.5, 2: 0.9}, {1: 0.3, 2: 0.4}], sync) \
+        == ([], [])
+    assert bool(state.frozen)
+    assert _decide(ctl, state, 2, [2, 2], [], None, sync) == ([], [])
 
 
-def test_kills_respect_min_rank_and_the_floor():
+@BOTH_MODES
+def test_kills_respect_min_rank_and_the_floor(sync):
     ctl = _ctl(target=40.0, stage2_steps=1, min_rank=2)   # the budget is the target at once
-    shapes = [[4, 4, 4]]
+    state = _state(2)
     scores = [{0: 0.1, 1: 0.2, 2: 0.3}, {0: 5.0, 1: 6.0}]
-    d = ctl.decide(0, shapes, [[3, 2]], [], lambda: scores)   # S = 12 + 24 + 8 = 44
-    # bond 1 is at min_rank; bond 0's rank costs 4 + 8 = 12, leaving 32 < floor
-    # 38.8, |log(32/40)| = 0.22 > |log(44/40)| = 0.095: no kill, frozen
-    assert d.kill == [] and ctl.frozen
+    # S = 12 + 24 + 8 = 44; bond 1 is at min_rank; bond 0's rank costs 4 + 8 = 12,
+    # leaving 32 < floor 38.8, |log(32/40)| = 0.22 > |log(44/40)| = 0.095: no kill, frozen
+    assert _decide(ctl, state, 0, [3, 2], [], scores, sync) == ([], [])
+    assert bool(state.frozen)
 
 
-def test_final_kill_lands_closest_to_the_target_when_it_beats_stopping():
+@BOTH_MODES
+def test_final_kill_lands_closest_to_the_target_when_it_beats_stopping(sync):
     ctl = _ctl(target=50.0, stage2_steps=1)
-    shapes = [[4, 4, 4]]
+    state = _state(2)
     scores = [{0: 0.1, 1: 0.2, 2: 0.3}, {0: 5.0, 1: 6.0, 2: 7.0}]
     # S = 12 + 36 + 12 = 60; each kill costs 16 and leaves 44 < floor 48.5,
     # but |log(44/50)| = 0.128 < |log(60/50)| = 0.182: the closest is taken
     # (bond 0, the first of the equally close ones), then the ranks freeze
-    d = ctl.decide(0, shapes, [[3, 3]], [], lambda: scores)
-    assert d.kill == [(0, 0)] and ctl.frozen
+    assert _decide(ctl, state, 0, [3, 3], [], scores, sync) == ([], [(0, 0)])
+    assert bool(state.frozen)
 
 
-def test_stage1_never_kills_but_freezes_at_the_target():
+@BOTH_MODES
+def test_stage1_never_kills_but_freezes_at_the_target(sync):
     ctl = _ctl(target=50.0, stage1_steps=5)
-    assert ctl.decide(0, [[4, 4, 4]], [[3, 3]], [], lambda: pytest.fail("stage 1")) \
-        == rc.Decision()
-    assert not ctl.frozen
-    assert ctl.decide(1, [[4, 4, 4]], [[2, 2]], [], lambda: pytest.fail("at target")) \
-        == rc.Decision()
-    assert ctl.frozen  # S = 32 <= 50
+    state = _state(2)
+    assert _decide(ctl, state, 0, [3, 3], [], None, sync) == ([], [])
+    assert not bool(state.frozen)
+    assert _decide(ctl, state, 1, [2, 2], [], None, sync) == ([], [])
+    assert bool(state.frozen)  # S = 32 <= 50
 
 
 # ------------------------------------------------------------------ revivals
-def test_overshooting_deaths_are_undone_largest_first_up_to_the_floor():
+@BOTH_MODES
+def test_overshooting_deaths_are_undone_largest_first_up_to_the_floor(sync):
     ctl = _ctl(target=40.0, stage1_steps=10)
-    shapes = [[4, 4, 4]]
+    state = _state(2)
     # the prox step left ranks [1, 1] (S = 12) after killing four entries;
     # the floor is 40 / 1.03 = 38.8
-    proposals = [Proposal(0, 1, 0.05), Proposal(0, 2, 0.30), Proposal(1, 0, 0.20),
-                 Proposal(1, 2, 0.20)]
-    d = ctl.decide(0, shapes, [[1, 1]], proposals, lambda: pytest.fail("stage 1"))
+    proposals = [(0, 1, 0.05), (0, 2, 0.30), (1, 0, 0.20), (1, 2, 0.20)]
+    revive, kill = _decide(ctl, state, 0, [1, 1], proposals, None, sync)
     # 0.30 (bond 0): S 12 -> 20; then the 0.20 tie goes to the later bond/entry,
     # (1, 2): S -> 32; then (1, 0): S -> 44 >= floor: stop
-    assert d.revive == [(0, 2), (1, 2), (1, 0)]
-    assert d.kill == [] and not ctl.frozen  # 44 > 40, but stage 1 does not kill
+    assert revive == sorted([(0, 2), (1, 2), (1, 0)])
+    assert kill == [] and not bool(state.frozen)  # 44 > 40, but stage 1 does not kill
 
 
-def test_no_revival_above_the_floor_and_revived_entries_can_be_killed():
+@BOTH_MODES
+def test_no_revival_above_the_floor_and_revived_entries_can_be_killed(sync):
     ctl = _ctl(target=30.0, stage2_steps=4)
-    shapes = [[4, 4, 4]]
+    state = _state(2)
     # above the floor: the proposed death stands, and a dead entry is never killed again
-    d = ctl.decide(0, shapes, [[3, 2]], [Proposal(1, 2, 0.9)],
-                   lambda: [{0: 0.5, 1: 0.1, 2: 0.9}, {0: 0.2, 1: 0.3, 2: 0.01}])
-    assert d.revive == [] and (1, 2) not in d.kill
+    revive, kill = _decide(ctl, state, 0, [3, 2], [(1, 2, 0.9)],
+                           [{0: 0.5, 1: 0.1, 2: 0.9}, {0: 0.2, 1: 0.3, 2: 0.01}], sync)
+    assert revive == [] and (1, 2) not in kill
 
 
-# ---------------------------------------------------------------- no torch
-def test_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import importlib.util\n"
-            "spec = importlib.util.spec_from_file_location('rc', sys.argv[1])\n"
-            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
-            "print(mod.tt_size([[4, 4, 4]], [[2, 3]]))\n")
-    out = subprocess.run([sys.executable, "-c", code, rc.__file__], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "44"
+def test_a_nan_step_changes_nothing():
+    """``ok`` False (a NaN gate): no revival, no kill, the state as it was."""
+    ctl = _ctl(target=30.0, stage2_steps=4)
+    state = _state(2)
+    scores = torch.tensor([[0.5, 0.1, 0.9], [0.2, 0.3, 0.4]], dtype=torch.float64)
+    died = torch.zeros(2, 3, dtype=torch.bool)
+    revive, kill = ctl.decide(state, torch.tensor([3, 3]), died, scores, lambda: scores,
+                              torch.tensor(False), [3, 3])
+    assert not revive.any() and not kill.any()
+    assert not bool(state.started) and not bool(state.frozen) and float(state.lam) == 0.0

@@ -274,7 +274,7 @@ def test_balance_keeps_the_function_and_normalises_the_gates(kind):
         layer.gates[0][1] = 0.0            # a dead rank stays dead
     y = layer(x)
     live = layer.live_ranks()
-    assert comera.rank_adaptive.balance_(layer)
+    assert comera.adapt.rank_adaptive.balance_(layer)
     torch.testing.assert_close(layer(x), y, rtol=1e-9, atol=1e-10)
     assert layer.live_ranks() == live
     for g in layer.gates:
@@ -498,3 +498,23 @@ def test_nan_gate_raises_naming_the_layer():
         ra.step()
     assert model[0].gates[0][0].item() == torch.tensor(1e-3).item()
     assert ra.steps == 0
+
+
+def test_defaults_construct_and_step():
+    """RankAdaptive(model) alone: the documented defaults, and it trains."""
+    torch.manual_seed(0)
+    layer = comera.TTLinear(16, 16, rank=4)
+    ra = comera.RankAdaptive(layer)
+    assert (ra.gamma, ra.threshold, ra.stage1_steps, ra.stage2_steps) == (0.5, 1e-2, 1000, 1000)
+    assert (ra.target_compression, ra.prune_every, ra.min_rank, ra.stage2_rule) == \
+        (None, None, 1, "saliency")
+    assert ra.balance and ra.sync_free is None
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    ra.attach(opt)
+    for _ in range(3):
+        opt.zero_grad()
+        layer(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+    assert ra.steps == 3 and ra.stage == 1 and not ra.frozen
+    assert ra.shrink_strength() == [0.5] * len(layer.gates)
+    assert ra.compression() == pytest.approx(comera.compression(layer))

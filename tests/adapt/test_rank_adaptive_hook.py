@@ -1,7 +1,7 @@
 """RankAdaptive.attach(optimizer): the optimizer-hook way of driving both
 stages, against the explicit loop it stands for (``opt.step(); ra.step(opt)``),
 under SGD, AdamW and Adafactor, gradient accumulation, a GradScaler that
-skips a step, torch.compile, and old checkpoints.  DDP: tests/test_ddp.py."""
+skips a step, torch.compile, and old checkpoints.  DDP: tests/integrations/test_ddp.py."""
 import copy
 
 import pytest
@@ -105,7 +105,7 @@ def test_grad_scaler_skipped_step_skips_the_stage_logic():
     scaler.update()
     assert ra.steps == 1
     gates = [g.detach().clone() for layer in (model[0], model[2]) for g in layer.gates]
-    saliency = [s.clone() for s in ra._saliency]
+    saliency = [s.clone() for s in ra.state.saliency]
     # an overflowing step: GradScaler finds inf gradients and never calls opt.step()
     opt.zero_grad()
     scaler.scale(model(x).pow(2).mean() * float("inf")).backward()
@@ -114,7 +114,7 @@ def test_grad_scaler_skipped_step_skips_the_stage_logic():
     assert ra.steps == 1
     for g, before in zip((g for layer in (model[0], model[2]) for g in layer.gates), gates):
         assert torch.equal(g.detach(), before)
-    for s, before in zip(ra._saliency, saliency):
+    for s, before in zip(ra.state.saliency, saliency):
         assert torch.equal(s, before)
 
 
@@ -149,7 +149,7 @@ def test_old_checkpoint_without_the_new_fields_loads():
     ra2 = comera.RankAdaptive(model, **dict(RA, prune_every=None), balance=False)
     ra2.load_state_dict(state)
     assert ra2.steps == 10 and ra2.compression() == ra.compression()
-    assert all(float(s.abs().sum()) == 0 for s in ra2._saliency)   # starts again from zero
+    assert all(float(s.abs().sum()) == 0 for s in ra2.state.saliency)   # starts again from zero
 
 
 @pytest.mark.parametrize("rule", ["saliency", "magnitude"])
@@ -176,34 +176,40 @@ def test_saliency_is_the_running_average_of_g_times_grad():
         for e, g in zip(expect, layer.gates):
             e.mul_(0.9).add_((g.detach() * g.grad).abs().double(), alpha=0.1)
         opt.step()
-    for s, e in zip(ra._saliency, expect):
+    for s, e in zip(ra.state.saliency, expect):
         torch.testing.assert_close(s, e)
 
 
 def test_stage2_kills_the_least_salient_ranks():
-    """Every stage-2 kill of the saliency rule is, within its bond, the entry
-    with the smallest saliency average: no kill without a loss-aware reason."""
+    """Every stage-2 kill of the saliency rule is, within its bond, among the
+    entries with the smallest saliency average: no kill without a loss-aware
+    reason."""
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ra = comera.RankAdaptive(model, **dict(RA, gamma=0.0, prune_every=None)).attach(opt)
-    seen, kills = {}, []
-    scores, commit = ra._scores, ra._commit
+    kills = []
+    decide = ra.controller.decide
 
-    def spy_scores(before, died):
-        seen["s"] = scores(before, died)
-        return seen["s"]
+    def spy_decide(state, live, died, magnitude, scores, ok, lengths, sync=False):
+        seen = {}
 
-    def spy_commit(decision, before):
-        if decision.kill:
-            expect = [{j: float(s[j]) for j in per} for s, per in zip(ra._saliency, seen["s"])]
-            assert [dict(per) for per in seen["s"]] == expect     # the scores are the saliencies
-            alive = [dict(per) for per in seen["s"]]
-            for b, j in decision.kill:
-                assert alive[b][j] == min(alive[b].values())
-                del alive[b][j]
-            kills.extend(decision.kill)
-        commit(decision, before)
+        def spy_scores():
+            seen["s"] = scores()
+            return seen["s"]
+        revive, kill = decide(state, live, died, magnitude, spy_scores, ok, lengths, sync)
+        if bool(kill.any()):
+            s = seen["s"]
+            saliency = nn.utils.rnn.pad_sequence(ra.state.saliency, batch_first=True,
+                                                 padding_value=float("inf"))
+            listed = torch.isfinite(s)       # the live entries and this step's deaths
+            assert torch.equal(s[listed], saliency[listed])   # the scores are the saliencies
+            alive = s.masked_fill(died & ~revive, float("inf"))
+            for b in range(kill.shape[0]):
+                if kill[b].any():
+                    assert alive[b][kill[b]].max() <= alive[b][~kill[b]].min()
+            kills.extend(kill.nonzero().tolist())
+        return revive, kill
 
-    ra._scores, ra._commit = spy_scores, spy_commit
+    ra.controller.decide = spy_decide
     _train(model, opt, ra, _batches(24), attached=True)
     assert len(kills) > 10 and ra.frozen

@@ -1,9 +1,11 @@
-"""comera.rank_device: the sync-free rank-adaptation step, on the CPU.
+"""The sync-free rank-adaptation step (comera.adapt.controller and
+comera.adapt.step with sync=False), on the CPU.
 
-References: the torch-free RankController (the specification) on random
-decision sequences; the host path of RankAdaptive over small training runs
-(same gates, signs, ranks, controller state); and a detector of host reads
-that fails any step of the device path that would wait for a GPU."""
+References: the plain-number controller of reference_controller.py (the
+specification) on random decision sequences, in both modes; the step with
+host reads allowed (sync_free=False) over small training runs (same gates,
+signs, ranks, controller state); and a detector of host reads that fails
+any sync-free step that would wait for a GPU."""
 import contextlib
 import random
 
@@ -14,9 +16,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import comera
-from comera import rank_controller as rc
-from comera.rank_controller import Proposal, RankController
-from comera.rank_device import DeviceController
+import reference_controller as rc
+from comera.adapt.controller import RankController, TTSizes
+from comera.adapt.state import ControllerState
+from reference_controller import Proposal
 
 INF = float("inf")
 
@@ -51,15 +54,16 @@ def _step_inputs(rnd, alive, lengths, min_rank, levels):
     return proposals, contrib
 
 
-def _compare_sequence(seed: int):
-    """Runs the host and the device controller side by side on one random
-    sequence; asserts equal decisions and state; returns (revivals, kills)."""
+def _compare_sequence(seed: int, sync: bool):
+    """Runs the reference and the tensor controller side by side on one
+    random sequence; asserts equal decisions and state; returns (revivals, kills)."""
     rnd, shapes, lengths, target = _random_sequence(seed)
     min_rank = rnd.choice([1, 1, 2])
     args = dict(gamma=rnd.choice([0.0, 1e-3, 0.2]), stage1_steps=rnd.randint(0, 3),
                 stage2_steps=rnd.randint(1, 8), target_size=target, min_rank=min_rank)
-    host = RankController(**args)
-    dev = DeviceController(RankController(**args), shapes, torch.device("cpu"))
+    host = rc.RankController(**args)
+    dev = RankController(shapes, **args)
+    state = ControllerState.for_gates([torch.zeros(n) for n in lengths])
     where, nb, width = rc.bonds(shapes), len(lengths), max(lengths)
     alive = [set(range(n)) for n in lengths]
     counts = [0, 0]
@@ -81,17 +85,18 @@ def _compare_sequence(seed: int):
         for b, per in enumerate(scores):
             for j, c in per.items():
                 score[b, j] = c
-        revive, kill = dev.decide(step, torch.tensor([len(a) for a in alive]), died, mag,
-                                  lambda: score, torch.tensor(True), lengths)
+        state.step = step
+        revive, kill = dev.decide(state, torch.tensor([len(a) for a in alive]), died, mag,
+                                  lambda: score, torch.tensor(True), lengths, sync=sync)
         where_msg = f"seed {seed} step {step}"
         assert sorted(map(tuple, revive.nonzero().tolist())) == sorted(want.revive), where_msg
         assert sorted(map(tuple, kill.nonzero().tolist())) == sorted(want.kill), where_msg
-        assert bool(dev.frozen) == host.frozen, where_msg
-        assert bool(dev.started) == (host.size_start is not None), where_msg
+        assert bool(state.frozen) == host.frozen, where_msg
+        assert bool(state.started) == (host.size_start is not None), where_msg
         if host.size_start is not None:
-            assert float(dev.size_start) == host.size_start, where_msg
-            assert float(dev.lam) == pytest.approx(host.lam, rel=1e-12), where_msg
-            assert float(dev.lam0) == host.lam0, where_msg
+            assert float(state.size_start) == host.size_start, where_msg
+            assert float(state.lam) == pytest.approx(host.lam, rel=1e-12), where_msg
+            assert float(state.lam0) == host.lam0, where_msg
         counts[0] += len(want.revive)
         counts[1] += len(want.kill)
         for b, j in want.revive:
@@ -101,21 +106,22 @@ def _compare_sequence(seed: int):
     return counts
 
 
-def test_device_controller_decides_like_the_host_controller():
+@pytest.mark.parametrize("sync", [False, True])
+def test_controller_decides_like_the_reference(sync):
     """Random shapes, schedules, targets, proposals and scores (with ties):
-    the same revivals, kills, frozen flag, start size and lam at every step;
-    the sequences contain many revivals and kills, so the check has teeth."""
+    the same revivals, kills, frozen flag, start size and lam at every step,
+    with and without host reads; the sequences contain many revivals and
+    kills, so the check has teeth."""
     revived = killed = 0
     for seed in range(30):
-        r, k = _compare_sequence(seed)
+        r, k = _compare_sequence(seed, sync)
         revived, killed = revived + r, killed + k
     assert revived >= 20 and killed >= 20, (revived, killed)
 
 
 def test_sizes_and_costs_match_the_formulas():
     shapes = [[4, 4, 4], [8, 2], [3, 5, 2, 7]]
-    dev = DeviceController(RankController(gamma=0.1, stage1_steps=0, stage2_steps=2,
-                                          target_size=10.0), shapes, torch.device("cpu"))
+    dev = TTSizes(shapes, torch.device("cpu"))
     gen = random.Random(3)
     for _ in range(20):
         live = [[gen.randint(1, 6) for _ in range(len(m) - 1)] for m in shapes]
@@ -125,8 +131,8 @@ def test_sizes_and_costs_match_the_formulas():
                                            for li, k in rc.bonds(shapes)]
 
 
-# ------------------------------------------------- RankAdaptive: device vs host
-def _train(force_device, *, rule="saliency", prune_every=None, target=6.0, steps=36,
+# ------------------------------------ RankAdaptive: sync-free vs host reads
+def _train(sync_free, *, rule="saliency", prune_every=None, target=6.0, steps=36,
            min_rank=1, hooks=None):
     """A small attached AdamW run; returns per step (gates, signs, controller
     state, compression).  ``hooks(ra, step)`` may wrap the step."""
@@ -137,7 +143,7 @@ def _train(force_device, *, rule="saliency", prune_every=None, target=6.0, steps
     ra = comera.RankAdaptive(model, gamma=0.3, threshold=1e-2, stage1_steps=14, stage2_steps=16,
                              target_compression=target, prune_every=prune_every,
                              stage2_rule=rule, min_rank=min_rank)
-    ra._force_device = force_device
+    ra.sync_free = sync_free
     ra.attach(opt)
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -151,8 +157,8 @@ def _train(force_device, *, rule="saliency", prune_every=None, target=6.0, steps
                 opt.step()
         else:
             opt.step()
-        if force_device:
-            assert ra._dc is not None  # the device path ran
+        if sync_free:
+            assert ra.uses_sync_free()  # the sync-free step ran
         state = ra.state_dict()  # reads the device state back (a sync, outside the step)
         out.append(([g.detach().clone() for g in ra._gates()], state["signs"],
                      (state["frozen"], state["lam"], state["lam0"], state["size_start"]),
@@ -163,8 +169,10 @@ def _train(force_device, *, rule="saliency", prune_every=None, target=6.0, steps
 @pytest.mark.parametrize("rule,prune_every,target,min_rank", [
     ("saliency", None, 6.0, 1), ("magnitude", 5, 6.0, 1), ("saliency", 7, 4.0, 2),
     ("saliency", None, None, 1)])
-def test_device_path_trains_like_the_host_path(rule, prune_every, target, min_rank):
-    """The device path forced on the CPU against the host path: equal gates,
+def test_sync_free_steps_train_like_steps_with_host_reads(rule, prune_every, target, min_rank):
+    """The sync-free step forced on the CPU against the step allowed to read
+    (its early exits: frozen steps skip the review, the kill loop stops at
+    the last kill, revivals look at the proposed deaths only): equal gates,
     signs, ranks, compression and controller state after every step, through
     stage 1, the stage-2 controller and pruning."""
     host = _train(False, rule=rule, prune_every=prune_every, target=target, min_rank=min_rank)
@@ -268,25 +276,25 @@ def test_the_detector_catches_host_reads():
                  lambda: x.cpu(), lambda: x.to("cpu"), lambda: torch.count_nonzero(x).item()):
         with pytest.raises(HostReadError), _no_host_reads():
             read()
-    with _no_host_reads():  # what the device path uses passes
+    with _no_host_reads():  # what the sync-free step uses passes
         torch.where(x > 1, x, 0.0).topk(2).indices.sort(stable=True)
-    # and the host path of RankAdaptive does read the host
+    # and the step of RankAdaptive with sync_free=False does read the host
     with pytest.raises(HostReadError):
         _train(False, steps=2, hooks=_guard_steps(None))
 
 
 @pytest.mark.parametrize("rule,prune_every", [("saliency", 6), ("magnitude", None)])
-def test_device_path_steps_never_read_the_host(rule, prune_every):
+def test_sync_free_steps_never_read_the_host(rule, prune_every):
     """Stage 1, the stage-2 controller (kills) and frozen steps, attached to
-    AdamW, with the device path forced on the CPU: no step between prune
-    steps reads a tensor on the host, and the result is the host path's."""
+    AdamW, sync-free forced on the CPU: no step between prune steps reads a
+    tensor on the host, and the result is that of the steps that may read."""
     dev = _train(True, rule=rule, prune_every=prune_every, hooks=_guard_steps(prune_every))
     host = _train(False, rule=rule, prune_every=prune_every)
     assert all(torch.equal(a, b) for a, b in zip(dev[-1][0], host[-1][0]))
     assert dev[-1][3] == host[-1][3] and dev[-1][2][0]
 
 
-def test_device_path_defers_the_nan_error_and_changes_nothing():
+def test_sync_free_step_defers_the_nan_error_and_changes_nothing():
     """A NaN gate: the sync-free step leaves every gate and sign as it was
     (here also an entry inside the dead zone), records the gate, and
     check() / the next prune step raise the error naming the layer."""
@@ -294,17 +302,17 @@ def test_device_path_defers_the_nan_error_and_changes_nothing():
                           nn.Sequential(comera.TTLinear(16, 8, rank=4)))
     ra = comera.RankAdaptive(model, gamma=0.1, threshold=0.5, stage1_steps=5, stage2_steps=5,
                              target_compression=3.0, prune_every=3)
-    ra._force_device = True
+    ra.sync_free = True
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with torch.no_grad():
         model[2][0].gates[1][2] = float("nan")
         model[0].gates[0][0] = 1e-3  # inside the dead zone, but must survive the failed steps
     gates = [g.detach().clone() for g in ra._gates()]
-    signs = [s.clone() for s in ra._signs]
+    signs = [s.clone() for s in ra.state.signs]
     with _no_host_reads():
         ra.step(opt)
         ra.step(opt)
-    for g, s, g0, s0 in zip(ra._gates(), ra._signs, gates, signs):
+    for g, s, g0, s0 in zip(ra._gates(), ra.state.signs, gates, signs):
         assert torch.equal(g.detach().nan_to_num(7.0), g0.nan_to_num(7.0)) and torch.equal(s, s0)
     with pytest.raises(ValueError, match=r"gate 1 of layer '2\.0' contains NaN \(seen by an "
                                          r"earlier step"):
@@ -314,14 +322,15 @@ def test_device_path_defers_the_nan_error_and_changes_nothing():
     assert model[0].gates[0][0].item() == torch.tensor(1e-3).item()
 
 
-def test_switching_between_paths_carries_the_controller_state():
-    """Host steps, then device steps, then host steps again: the controller
-    state moves with the path, and the run equals an all-host run."""
+def test_switching_modes_carries_the_controller_state():
+    """Steps with host reads, then sync-free steps, then steps with reads
+    again: one state serves both, and the run equals a run that may read
+    throughout."""
     @contextlib.contextmanager
     def path(ra, i):
-        ra._force_device = 10 <= i < 24  # the device path over the stage change
+        ra.sync_free = 10 <= i < 24  # sync-free over the stage change
         yield
-        assert (ra._dc is not None) == ra._force_device  # that path ran
+        assert ra.uses_sync_free() == ra.sync_free  # that mode ran
     mixed = _train(None, hooks=path)
     host = _train(False)
     for h, m in zip(host, mixed):
@@ -330,8 +339,8 @@ def test_switching_between_paths_carries_the_controller_state():
 
 
 def test_sync_free_argument_selects_the_path():
-    """The public ``sync_free`` argument forces the device path (True), the
-    host path (False) or picks by device (None: host on the CPU)."""
+    """The public ``sync_free`` argument forces the sync-free step (True),
+    the step with host reads (False) or picks by device (None: reads on the CPU)."""
     for value, expect_device in ((True, True), (False, False), (None, False)):
         model = nn.Sequential(comera.TTLinear(16, 16, rank=4))
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -339,7 +348,8 @@ def test_sync_free_argument_selects_the_path():
                                  stage2_steps=2, sync_free=value).attach(opt)
         model(torch.randn(4, 16)).sum().backward()
         opt.step()
-        assert (ra._dc is not None) == expect_device
+        assert ra.uses_sync_free() == expect_device
+        assert (ra._dc is not None) == expect_device  # the name tests/ops reads
     with pytest.raises(TypeError, match="sync_free"):
         comera.RankAdaptive(nn.Sequential(comera.TTLinear(16, 16, rank=4)), gamma=0.3,
                             threshold=1e-2, stage1_steps=2, stage2_steps=2, sync_free="yes")
