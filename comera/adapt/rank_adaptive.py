@@ -5,24 +5,21 @@ once, and an optimizer post-step hook runs :meth:`RankAdaptive.step` after
 every ``optimizer.step()`` (a step that a GradScaler skips skips the stage
 logic too); or ``ra.step(optimizer)`` right after ``optimizer.step()``.
 
-Balance (at construction, ``balance=True``): every TT layer is rewritten,
-without changing its function, into its canonical form
-(:func:`comera.adapt.balance.balance_`): the gate on bond k holds the
-singular values of the layer's unfolding at that bond over the largest, so
+Balance (``balance=True``): every TT layer is first rewritten, with the same
+function, so that the gate on bond k holds the singular values of the
+layer's unfolding there over the largest (:func:`comera.adapt.balance.balance_`):
 a gate entry's size means the same in every layer.
 
 Stage 1 (rank discovery): after each optimizer step every live gate entry
-loses ``lr * gamma`` (``lr``: the current learning rate of its parameter
-group), an L1 proximal step decoupled from the optimizer like AdamW's weight
-decay, so ``gamma`` means the same under SGD, AdamW or Adafactor: an entry
-with no gradient pull dies after about ``|g| / (lr * gamma)`` steps.  Entries
-that reach 0, cross it, or lie within ``threshold`` of it die and stay dead.
-
-Stage 2 (reach the target): a size controller drives the live TT size down
-to ``dense / target_compression`` along a falling budget, removing the ranks
-whose loss is least affected (``stage2_rule``), then freezes the ranks.
-Without a target, stage 2 fine-tunes with frozen ranks.  Ranks die whole, so
-it can end slightly beyond the target (the tests allow 5%).
+loses ``lr * gamma`` (``lr``: its parameter group's current learning rate),
+an L1 proximal step decoupled from the optimizer like AdamW's weight decay,
+so ``gamma`` means the same under SGD, AdamW or Adafactor.  Entries that
+reach 0, cross it, or lie within ``threshold`` of it die and stay dead.
+Stage 2: a size controller drives the live TT size down to
+``dense / target_compression``, removing the ranks whose loss is least
+affected (``stage2_rule``), then freezes the ranks (ranks die whole, so it
+can end slightly beyond the target; the tests allow 5%).  Without a target,
+stage 2 fine-tunes with frozen ranks.
 
 Who does what: :class:`RankAdaptive` owns the schedule and the state
 (:class:`comera.adapt.state.ControllerState`) and passes them on;
@@ -30,7 +27,6 @@ Who does what: :class:`RankAdaptive` owns the schedule and the state
 :class:`comera.adapt.controller.RankController` decides; :func:`comera.prune`
 cuts dead ranks out.
 """
-import math
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -41,27 +37,10 @@ from comera.adapt.balance import balance_
 from comera.adapt.controller import RankController
 from comera.adapt.gates import FlatGates, GateRates
 from comera.adapt.prune import keep_indices, prune
+from comera.adapt.settings import SAVED, check_int, check_settings
 from comera.adapt.state import ControllerState
-from comera.adapt.step import STAGE2_RULES, GateStep
+from comera.adapt.step import GateStep
 from comera.layers.base import dense_params, mode_size, param_list, tt_layers
-
-
-def _check_number(name: str, value, low: float, *, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < low or (strict and value == low):
-        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low:g}, "
-                         f"got {value}")
-    return value
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 class RankAdaptive:
@@ -97,10 +76,10 @@ class RankAdaptive:
             step can be captured in a CUDA graph; a NaN gate makes the steps
             no-ops and is raised by :meth:`check`), and does on the CPU.
             ``True`` / ``False`` force either.  Both run the same tensor code
-            with the same results; reading lets a step raise on a NaN at once
-            and stop the stage-2 kill loop at the last kill, which is cheaper
-            in eager CUDA stage 2 (a few syncs per step) than the sync-free
-            loop's fixed number of rounds.
+            to the same gates and ranks; reading lets a step raise on a NaN at
+            once and stop the stage-2 kill loop at the last kill, which in
+            eager CUDA stage 2 costs a few syncs per step instead of the
+            sync-free loop's fixed number of rounds.
 
     Usage: ``ra.attach(optimizer)`` once, then train as usual; or call
     :meth:`step` right after every ``optimizer.step()``.  :meth:`penalty`
@@ -127,26 +106,11 @@ class RankAdaptive:
                  sync_free: Optional[bool] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        self.gamma = _check_number("gamma", gamma, 0.0)
-        self.threshold = _check_number("threshold", threshold, 0.0)
-        self.stage1_steps = _check_int("stage1_steps", stage1_steps, 0)
-        self.stage2_steps = _check_int("stage2_steps", stage2_steps, 0)
-        if target_compression is not None:
-            target_compression = _check_number("target_compression", target_compression, 1.0,
-                                               strict=True)
-            if self.stage2_steps < 1:
-                raise ValueError("stage2_steps must be >= 1 when target_compression is set "
-                                 f"(stage 2 is where the target is reached), got {stage2_steps}")
-        self.target_compression = target_compression
-        self.prune_every = None if prune_every is None else _check_int("prune_every", prune_every, 1)
-        self.min_rank = _check_int("min_rank", min_rank, 1)
-        if sync_free not in (None, True, False):
-            raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
-        self.sync_free = sync_free
-        if stage2_rule not in STAGE2_RULES:
-            raise ValueError(f"stage2_rule must be one of {STAGE2_RULES}, got {stage2_rule!r}")
-        self.stage2_rule = stage2_rule
-        self.balance = bool(balance)
+        # gamma, threshold, stage1_steps, ..., sync_free: the checked arguments, as attributes
+        vars(self).update(check_settings(
+            gamma=gamma, threshold=threshold, stage1_steps=stage1_steps, stage2_steps=stage2_steps,
+            target_compression=target_compression, prune_every=prune_every, min_rank=min_rank,
+            stage2_rule=stage2_rule, balance=balance, sync_free=sync_free))
         self.model = model
         self._layers: List[Tuple[str, nn.Module]] = list(tt_layers(model))
         if not self._layers:
@@ -159,9 +123,10 @@ class RankAdaptive:
         self.controller = RankController(
             [[mode_size(c) for c in layer.cores] for _, layer in self._layers], gamma=self.gamma,
             stage1_steps=self.stage1_steps, stage2_steps=self.stage2_steps, min_rank=self.min_rank,
-            target_size=None if target_compression is None else self._dense / target_compression)
+            target_size=None if self.target_compression is None
+            else self._dense / self.target_compression)
         self._gate_step = GateStep(self.controller, self._layers, threshold=self.threshold,
-                                   rule=stage2_rule)
+                                   rule=self.stage2_rule)
         self.state = ControllerState.for_gates(self._gates())
         self._rates = GateRates()
         self._fg: Optional[FlatGates] = None  # the gates' flat layout, rebuilt when they change
@@ -188,7 +153,7 @@ class RankAdaptive:
     # The signs and saliency as they were named before the state object (read by tests).
     _signs = property(lambda self: self.state.signs)
     _saliency = property(lambda self: self.state.saliency)
-    # The state when the last step ran sync-free, else None (tests/ops/test_cuda_sync_free.py).
+    # The state once steps ran and run sync-free, else None (tests/ops/test_cuda_sync_free.py).
     _dc = property(lambda self: self.state if self.state.step and self.uses_sync_free() else None)
 
     def uses_sync_free(self) -> bool:
@@ -330,11 +295,10 @@ class RankAdaptive:
     def state_dict(self) -> Dict[str, object]:
         """Counters, controller state and each gate entry's live/dead sign, so
         that a resumed run continues in the same stage with the same ranks."""
-        return dict(self.state.checkpoint(), config={
-            "gamma": self.gamma, "threshold": self.threshold, "stage1_steps": self.stage1_steps,
-            "stage2_steps": self.stage2_steps, "target_compression": self.target_compression,
-            "prune_every": self.prune_every, "min_rank": self.min_rank,
-            "stage2_rule": self.stage2_rule})
+        return dict(self.state.checkpoint(), config=self._config())
+
+    def _config(self) -> Dict[str, object]:
+        return {k: getattr(self, k) for k in SAVED}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         """Restores :meth:`state_dict` (load the model's weights first).  The
@@ -343,13 +307,13 @@ class RankAdaptive:
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError("RankAdaptive.load_state_dict: expected a dict from "
                              "RankAdaptive.state_dict()")
-        saved, mine = state.get("config", {}), self.state_dict()["config"]
+        saved, mine = state.get("config", {}), self._config()
         diff = sorted(k for k in mine if k in saved and saved[k] != mine[k])
         if diff:
             warnings.warn(f"RankAdaptive.load_state_dict: the saved controller had other "
                           f"settings ({', '.join(f'{k}={saved[k]!r}' for k in diff)}); "
                           "continuing with this controller's", stacklevel=2)
-        _check_int("step", state["step"], 0)
+        check_int("step", state["step"], 0)
         gates = self._gates()
         self.state.follow(gates)
         self.state.load_checkpoint(state, gates)

@@ -32,7 +32,6 @@ from comera.ops.gate_prox import gate_prox_
 
 # Running average of the saliency |g * dL/dg|: weight of the past.
 SALIENCY_DECAY = 0.9
-STAGE2_RULES = ("saliency", "magnitude")
 
 
 def update_saliency(fg: FlatGates, saliency: List[torch.Tensor], gates: Sequence[torch.Tensor],
