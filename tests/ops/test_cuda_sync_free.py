@@ -1,11 +1,11 @@
-"""Rank adaptation on CUDA without host synchronisation (comera/adapt/device.py,
-csrc/gate_prox/cuda.cu): RankAdaptive steps under
+"""Rank adaptation on CUDA without host synchronisation (comera/adapt/step.py,
+comera/adapt/controller.py, csrc/gate_prox/cuda.cu): RankAdaptive steps under
 torch.cuda.set_sync_debug_mode("error"), and a whole training step with
 RankAdaptive captured in a CUDA graph and replayed against eager steps.
 
 Every test is marked needs_cuda; the ones that need CUDA itself (sync debug
 mode, graphs) skip under COMERA_TEST_CUDA_DEVICE=cpu.  The CPU-side proof of
-the same property (a detector of host reads, equality with the host path) is
+the same property (a detector of host reads, equality with sync_free=False) is
 tests/adapt/test_rank_device.py.
 """
 import contextlib
@@ -85,7 +85,7 @@ def test_rank_adaptive_steps_never_synchronise(rule):
             continue
         with _sync_error():
             opt.step()
-    assert ra.steps == 20 and ra._dc is not None  # the device path ran
+    assert ra.steps == 20 and ra.uses_sync_free()  # the sync-free path ran
     ra.check()
     assert ra.frozen and abs(ra.compression() / 12.0 - 1) < 0.05
 
