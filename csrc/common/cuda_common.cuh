@@ -20,6 +20,8 @@
 #include <limits.h>
 #include <stdint.h>
 
+#include <initializer_list>
+
 #include "comera/cuda.h"
 
 namespace comera_cuda {
@@ -131,6 +133,11 @@ struct Arena {
         size_t off = (used + 255) & ~(size_t)255;
         used = off + sizeof(U) * (size_t)(count > 0 ? count : 0);
         return base ? (U *)(base + off) : nullptr;
+    }
+    // One piece of `count` elements for each pointer in `out`, in order: the
+    // runs of same-sized index arrays of the workspace layouts.
+    template <typename U> void take_each(int64_t count, std::initializer_list<U **> out) {
+        for (U **p : out) *p = take<U>(count);
     }
 };
 

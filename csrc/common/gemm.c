@@ -1,9 +1,12 @@
-/* comera's GEMM drivers: packing of B into 16-column panels, the loop over
- * tiles, and the float64 and small-product fallbacks.  The float32 tiles,
- * one per instruction set, and the choice among them are in gemm_isa.c.
+/* comera's float32 GEMM drivers: packing of B into 16-column panels, the
+ * loop over tiles, and the unpacked loop for small products (gemm_loops.h,
+ * shared with float64 in gemm_f64.c).  The float32 tiles, one per
+ * instruction set, and the choice among them are in gemm_isa.c.
  */
+#define REAL float
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
+#include "common/gemm_loops.h"
 #include "common/workspace.h"
 
 #include <stdlib.h>
@@ -27,30 +30,7 @@ void comera_gemm_pack_b_f32(int64_t K, int64_t N, const float *B,
         for (int64_t j0 = 0; j0 < j_whole; j0 += NR)
             memcpy(packed + j0 * K + k * NR, src + j0, sizeof(float) * NR);
     }
-    for (int64_t j0 = j_whole; j0 < N; j0 += NR) {
-        int64_t nr = N - j0 < NR ? N - j0 : NR;
-        float *dst = packed + j0 * K;
-        for (int64_t k = 0; k < K; k++) {
-            const float *src = B + k * rsb + j0 * csb;
-            int64_t j = 0;
-            for (; j < nr; j++) dst[k * NR + j] = src[j * csb];
-            for (; j < NR; j++) dst[k * NR + j] = 0.0f;
-        }
-    }
-}
-
-void comera_gemm_pack_b_f64(int64_t K, int64_t N, const double *B,
-                            int64_t rsb, int64_t csb, double *packed) {
-    for (int64_t j0 = 0; j0 < N; j0 += NR) {
-        int64_t nr = N - j0 < NR ? N - j0 : NR;
-        double *dst = packed + j0 * K;
-        for (int64_t k = 0; k < K; k++) {
-            const double *src = B + k * rsb + j0 * csb;
-            int64_t j = 0;
-            for (; j < nr; j++) dst[k * NR + j] = src[j * csb];
-            for (; j < NR; j++) dst[k * NR + j] = 0.0;
-        }
-    }
+    pack_b_strided(K, N, j_whole, B, rsb, csb, packed);
 }
 
 /* Packed B columns swept per row group: small enough that the block of B
@@ -83,28 +63,6 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
     if (accumulate == COMERA_GEMM_STREAM) comera_gemm_store_fence();
 }
 
-/* float64 serves gradcheck and reference work: a plain loop is enough. */
-void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
-                            const double *A, int64_t rsa, int64_t csa,
-                            const double *Bp, double *C, int64_t ldc,
-                            int accumulate) {
-    if (M <= 0 || N <= 0) return;
-    for (int64_t j0 = 0; j0 < N; j0 += NR) {
-        int64_t nr = N - j0 < NR ? N - j0 : NR;
-        const double *panel = Bp + j0 * K;
-        for (int64_t i = 0; i < M; i++) {
-            double acc[NR] = {0};
-            for (int64_t k = 0; k < K; k++) {
-                double s = A[i * rsa + k * csa];
-                for (int j = 0; j < NR; j++) acc[j] += s * panel[k * NR + j];
-            }
-            double *c = C + i * ldc + j0;
-            for (int64_t j = 0; j < nr; j++)
-                c[j] = accumulate == COMERA_GEMM_ADD ? c[j] + acc[j] : acc[j];
-        }
-    }
-}
-
 /* Below this many multiply-adds packing costs more than it saves. */
 #define SMALL_GEMM 4096
 
@@ -114,16 +72,7 @@ int comera_gemm_f32(int64_t M, int64_t N, int64_t K,
                     float *C, int64_t ldc, int accumulate) {
     if (M <= 0 || N <= 0) return 0;
     if (M * N * K <= SMALL_GEMM) {
-        for (int64_t i = 0; i < M; i++) {
-            float *c = C + i * ldc;
-            if (accumulate != COMERA_GEMM_ADD)
-                for (int64_t j = 0; j < N; j++) c[j] = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                float s = A[i * rsa + k * csa];
-                const float *b = B + k * rsb;
-                for (int64_t j = 0; j < N; j++) c[j] += s * b[j * csb];
-            }
-        }
+        gemm_unpacked(M, N, K, A, rsa, csa, B, rsb, csb, C, ldc, accumulate);
         return 0;
     }
     int cached = 0;
@@ -133,23 +82,5 @@ int comera_gemm_f32(int64_t M, int64_t N, int64_t K,
     comera_gemm_pack_b_f32(K, N, B, rsb, csb, packed);
     comera_gemm_packed_f32(M, N, K, A, rsa, csa, packed, C, ldc, accumulate);
     comera_ws_release(packed, cached);
-    return 0;
-}
-
-int comera_gemm_f64(int64_t M, int64_t N, int64_t K,
-                    const double *A, int64_t rsa, int64_t csa,
-                    const double *B, int64_t rsb, int64_t csb,
-                    double *C, int64_t ldc, int accumulate) {
-    if (M <= 0 || N <= 0) return 0;
-    for (int64_t i = 0; i < M; i++) {
-        double *c = C + i * ldc;
-        if (accumulate != COMERA_GEMM_ADD)
-            for (int64_t j = 0; j < N; j++) c[j] = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            double s = A[i * rsa + k * csa];
-            const double *b = B + k * rsb;
-            for (int64_t j = 0; j < N; j++) c[j] += s * b[j * csb];
-        }
-    }
     return 0;
 }

@@ -6,6 +6,5 @@
 int comera_gate_prox_f64(int64_t num_gates, double *const *gates, int8_t *const *signs,
                          const int64_t *sizes, double threshold, int64_t min_live, int kill,
                          int64_t *live, int nthreads) {
-    return gate_prox_run(num_gates, gates, signs, sizes, threshold, min_live, kill, live,
-                         nthreads);
+    return gate_prox_run(num_gates, gates, signs, sizes, threshold, min_live, kill, live, nthreads);
 }

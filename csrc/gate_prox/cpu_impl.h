@@ -7,13 +7,15 @@
  * float and includes it, cpu_f64.c as double.  Every function here is
  * static and has its plain name, so grep finds each definition and call;
  * the public entry points (comera_gate_prox_f32, _f64) are written out by
- * name in cpu_f32.c and cpu_f64.c, as thin wrappers of gate_prox_run. */
+ * name in cpu_f32.c and cpu_f64.c, as thin wrappers of gate_prox_run.  The
+ * rule on one gate (gate_prox_one) is rule.h's, shared with the CUDA kernel. */
 #ifndef REAL
 #error "define REAL (float or double) before including gate_prox/cpu_impl.h"
 #endif
 
 #include "comera/gate_prox.h"
 #include "common/threads.h"
+#include "gate_prox/rule.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -31,58 +33,6 @@ static int gate_has_nan(const REAL *g, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         if (isnan(g[i])) return 1;
     return 0;
-}
-
-static int8_t gate_sign(REAL v) {
-    return v > 0 ? 1 : v < 0 ? -1 : 0;
-}
-
-/* One gate: returns its live count afterwards. */
-static int64_t gate_prox_one(REAL *g, int8_t *s, int64_t n, double threshold, int64_t min_live,
-                             int kill) {
-    int64_t live = 0, doomed = 0;
-    /* pass 1: classify; doomed entries are marked s = 2 (or -2) for now */
-    for (int64_t i = 0; i < n; i++) {
-        if (s[i] == 0) {
-            g[i] = 0;
-            continue;
-        }
-        int8_t now = gate_sign(g[i]);
-        if (!kill) {
-            if (now != 0) s[i] = now;
-            live++;
-            continue;
-        }
-        if ((double)fabs((double)g[i]) <= threshold || now != s[i]) {
-            s[i] = (int8_t)(2 * (now != 0 ? now : 1));
-            doomed++;
-        } else {
-            live++;
-        }
-    }
-    /* pass 2: rescue the largest doomed non-zero entries up to min_live */
-    while (live < min_live && doomed > 0) {
-        int64_t best = -1;
-        double best_abs = 0.0;
-        for (int64_t i = 0; i < n; i++) {
-            if ((s[i] == 2 || s[i] == -2) && fabs((double)g[i]) > best_abs) {
-                best_abs = fabs((double)g[i]);
-                best = i;
-            }
-        }
-        if (best < 0) break; /* the rest are exactly zero: nothing to keep */
-        s[best] = (int8_t)(s[best] / 2);
-        live++;
-        doomed--;
-    }
-    /* pass 3: the doomed die */
-    for (int64_t i = 0; i < n; i++) {
-        if (s[i] == 2 || s[i] == -2) {
-            s[i] = 0;
-            g[i] = 0;
-        }
-    }
-    return live;
 }
 
 static int gate_prox_run(int64_t num_gates, REAL *const *gates, int8_t *const *signs,

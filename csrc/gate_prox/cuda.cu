@@ -2,17 +2,18 @@
 // comera_gate_prox_cuda, the rule of comera::gate_prox_ (see
 // comera/gate_prox.h), one thread per gate.
 #include "common/cuda_common.cuh"
+#include "gate_prox/rule.h"
 
 namespace comera_cuda {
 namespace {
 
 // One thread per gate: gates are short (one entry per rank) and the rule
 // needs the whole gate (the min_live rescue), so each thread runs the C
-// kernel's three passes over its own gate.  The gate and sign pointers and
-// the sizes of up to COMERA_GATE_CHUNK gates travel by value in the launch
-// parameters (no table on the device: no copy, no wait, graph-capturable);
-// more gates take more launches.  `live` holds all num_gates counts, so
-// that every chunk sees every chunk's NaN flag.
+// kernel's three passes (rule.h, one text for both) over its own gate.  The
+// gate and sign pointers and the sizes of up to COMERA_GATE_CHUNK gates
+// travel by value in the launch parameters (no table on the device: no copy,
+// no wait, graph-capturable); more gates take more launches.  `live` holds
+// all num_gates counts, so that every chunk sees every chunk's NaN flag.
 template <typename T> struct ProxArgs {
     T *gate[COMERA_GATE_CHUNK];
     int8_t *sign[COMERA_GATE_CHUNK];
@@ -37,65 +38,16 @@ template <typename T> __global__ void gate_nan_kernel(ProxArgs<T> a) {
     }
 }
 
-template <typename T> __device__ __host__ int8_t sign_of(typename Acc<T>::type v) {
-    return v > 0 ? 1 : v < 0 ? -1 : 0;
-}
-
 template <typename T> __global__ void gate_prox_kernel(ProxArgs<T> a) {
-    typedef typename Acc<T>::type A;
     COMERA_FOR_EACH(c, a.count) {
         // a NaN anywhere: nothing is modified (the flags come from gate_nan_kernel,
         // which ran for every chunk before any chunk's step)
         bool any_nan = false;
         for (int64_t j = 0; j < a.num_gates; j++) any_nan = any_nan || a.live[j] < 0;
         if (any_nan) continue;
-        T *g = a.gate[c];
-        int8_t *s = a.sign[c];
-        int64_t n = a.size[c], live = 0, doomed = 0;
-        const T zero = from_acc<T, A>((A)0);
-        for (int64_t i = 0; i < n; i++) {  // classify; doomed entries are marked +-2
-            if (s[i] == 0) {
-                g[i] = zero;
-                continue;
-            }
-            A v = to_acc<A>(g[i]);
-            int8_t now = sign_of<T>(v);
-            if (!a.kill) {
-                if (now != 0) s[i] = now;
-                live++;
-                continue;
-            }
-            A mag = v < 0 ? -v : v;
-            if ((double)mag <= a.threshold || now != s[i]) {
-                s[i] = (int8_t)(2 * (now != 0 ? now : 1));
-                doomed++;
-            } else {
-                live++;
-            }
-        }
-        while (live < a.min_live && doomed > 0) {  // rescue the largest doomed entries
-            int64_t best = -1;
-            A best_abs = 0;
-            for (int64_t i = 0; i < n; i++) {
-                A v = to_acc<A>(g[i]), mag = v < 0 ? -v : v;
-                if ((s[i] == 2 || s[i] == -2) && mag > best_abs) {
-                    best_abs = mag;
-                    best = i;
-                }
-            }
-            if (best < 0) break;  // the rest are exactly zero
-            s[best] = (int8_t)(s[best] / 2);
-            live++;
-            doomed--;
-        }
-        for (int64_t i = 0; i < n; i++) {
-            if (s[i] == 2 || s[i] == -2) {
-                s[i] = 0;
-                g[i] = zero;
-            }
-        }
         // safe although other threads read live[]: no NaN, so all are >= 0
-        a.live[a.first + c] = live;
+        a.live[a.first + c] =
+            gate_prox_one(a.gate[c], a.sign[c], a.size[c], a.threshold, a.min_live, a.kill);
     }
 }
 

@@ -272,11 +272,7 @@ static int emb_bwd(const emb_shape *s, const comera_tt_embedding_batch *b,
         int64_t u0, u1;
         comera_thread_rows(rows.count, &u0, &u1);
         emb_ctx ctx;
-        REAL *g = ws + per * tid + emb_ctx_init(&ctx, s, ws + per * tid, 1);
-        ctx.eff = eff;
-        ctx.pf = pf;
-        ctx.pb = pb;
-        ctx.last = cores[d - 1];
+        REAL *g = emb_thread_ctx(&ctx, s, 1, ws, per, eff, pf, pb, cores[d - 1]);
         for (int k = 0; k < d; k++)
             ctx.deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
         emb_bwd_in in = {&rows, grad_out, bag_of, scale, share, direct, bag, dim, dp};

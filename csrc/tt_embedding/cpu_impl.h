@@ -156,6 +156,21 @@ static int64_t emb_ctx_init(emb_ctx *c, const emb_shape *s, REAL *ws, int backwa
     return off;
 }
 
+/* This thread's context in a parallel region: its own `per` elements of ws,
+ * carved by emb_ctx_init, and the inputs all threads share: gated core 0,
+ * the packed slices (pb: backward only) and the last core.  Returns the
+ * rest of its elements: its row buffer. */
+static REAL *emb_thread_ctx(emb_ctx *c, const emb_shape *s, int backward, REAL *ws, int64_t per,
+                            const REAL *eff, const REAL *pf, const REAL *pb, const REAL *last) {
+    REAL *mine = ws + per * omp_get_thread_num();
+    REAL *row = mine + emb_ctx_init(c, s, mine, backward);
+    c->eff = eff;
+    c->pf = pf;
+    c->pb = pb;
+    c->last = last;
+    return row;
+}
+
 /* R_{k-1} of the row with multi-index idx: a slice of core 0, or a state. */
 static const REAL *emb_prev_state(const emb_ctx *c, const int64_t *idx, int k) {
     const emb_shape *s = c->s;
@@ -278,14 +293,10 @@ static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
             if (b->indices[p] == s->padding_idx) memset(out + p * dim, 0, sizeof(REAL) * (size_t)dim);
 #pragma omp parallel num_threads(nt)
     {
-        int tid = omp_get_thread_num();
         int64_t u0, u1;
         comera_thread_rows(rows.count, &u0, &u1);
         emb_ctx ctx;
-        REAL *scratch = ws + per * tid + emb_ctx_init(&ctx, s, ws + per * tid, 0);
-        ctx.eff = eff;
-        ctx.pf = pf;
-        ctx.last = cores[d - 1];
+        REAL *scratch = emb_thread_ctx(&ctx, s, 0, ws, per, eff, pf, NULL, cores[d - 1]);
         int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
         for (int64_t u = u0; u < u1; u++) {
             emb_unravel(s, rows.keys[u], idx);

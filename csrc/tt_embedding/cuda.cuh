@@ -209,12 +209,7 @@ template <typename A> struct Common {
 template <typename A> Common<A> common_layout(const Shape &s, int64_t n, Arena &w) {
     Common<A> c;
     c.cores = w.take<A>(s.core_off[s.d]);
-    c.key = w.take<int64_t>(n);
-    c.pos = w.take<int64_t>(n);
-    c.key2 = w.take<int64_t>(n);
-    c.pos2 = w.take<int64_t>(n);
-    c.head = w.take<int64_t>(n);
-    c.slot_of = w.take<int64_t>(n);
+    w.take_each<int64_t>(n, {&c.key, &c.pos, &c.key2, &c.pos2, &c.head, &c.slot_of});
     return c;
 }
 

@@ -73,11 +73,7 @@ BwdBufs<A> bwd_layout(const Shape &s, int64_t n, int64_t num_bags, Arena &w) {
     f.part = w.take<A>(part_max);
     f.gpart = w.take<A>(gpart_max);
     f.bag_scale = w.take<A>(num_bags);
-    f.bag_of = w.take<int64_t>(n);
-    f.ckey = w.take<int64_t>(n);
-    f.cslot = w.take<int64_t>(n);
-    f.ckey2 = w.take<int64_t>(n);
-    f.cslot2 = w.take<int64_t>(n);
+    w.take_each<int64_t>(n, {&f.bag_of, &f.ckey, &f.cslot, &f.ckey2, &f.cslot2});
     f.bounds = w.take<int64_t>(v_max + 1);
     return f;
 }

@@ -123,8 +123,11 @@ void check_dtype(ScalarType dtype, const Device &device, const char *op) {
 }
 
 // One prepared call: contiguous cores and gates, the descriptor's arrays,
-// the prep, the batch and the per-sample weights (empty when absent).
+// the prep, the batch and the per-sample weights (empty when absent).  The
+// guard, first so that it is released last, keeps the cores' device current
+// while the call lives (the plan op, on the CPU, has none).
 struct EmbeddingCall {
+    std::optional<CudaGuard> guard;
     std::vector<Tensor> cores, gates;
     std::vector<int64_t> row_modes, dim_modes, ranks;
     comera_tt_embedding_desc d{};
@@ -201,19 +204,27 @@ void check_batch_values(const char *op, const EmbeddingCall &c) {
     }, ArgError::Value);
 }
 
-// Everything for one call; on the CPU the index and offset values too.
+// The device of the call: the cores' (checked non-empty before the guard).
+Device call_device(const char *op, const std::vector<Tensor> &cores) {
+    COMERA_CHECK_VALUE(!cores.empty(), op, ": expected at least 2 cores, got none");
+    return cores[0].device();
+}
+
+// Everything for one call, on the cores' device; on the CPU the index and
+// offset values too.
 inline EmbeddingCall prepare_embedding(const char *op, const std::vector<Tensor> &cores,
                                        const std::vector<Tensor> &gates, int64_t num_embeddings,
                                        int64_t embedding_dim, int64_t padding_idx, int64_t reuse,
                                        const Tensor &indices,
                                        const std::optional<Tensor> &offsets, int64_t mode,
                                        const std::optional<Tensor> &psw) {
+    EmbeddingCall c;
+    c.guard.emplace(call_device(op, cores));
     int64_t D = static_cast<int64_t>(cores.size());
     COMERA_CHECK_VALUE(D >= 2 && D <= COMERA_MAX_CORES, op, ": expected 2 to ",
                        COMERA_MAX_CORES, " cores, got ", D);
     COMERA_CHECK_VALUE(static_cast<int64_t>(gates.size()) == D - 1, op, ": expected ", D - 1,
                        " gates, got ", gates.size());
-    EmbeddingCall c;
     c.cores = contiguous_all(cores);
     c.gates = contiguous_all(gates);
     c.dtype = c.cores[0].scalar_type();
@@ -315,17 +326,10 @@ int backward_cuda(const char *, const EmbeddingCall &, const Tensor &, const std
 
 // ---- the ops
 
-// The device of the call: the cores' (checked non-empty before the guard).
-Device call_device(const char *op, const std::vector<Tensor> &cores) {
-    COMERA_CHECK_VALUE(!cores.empty(), op, ": expected at least 2 cores, got none");
-    return cores[0].device();
-}
-
 Tensor tt_embedding(Tensor indices, std::optional<Tensor> offsets, std::optional<Tensor> psw,
                     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
                     int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding";
-    CudaGuard guard(call_device(op, cores));
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
     Tensor out = empty({c.batch.output_rows(), embedding_dim}, c.dtype, c.device);
@@ -341,7 +345,6 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> tt_embedding_backward(
     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
     int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding_backward";
-    CudaGuard guard(call_device(op, cores));
     EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
                                         padding_idx, reuse, indices, offsets, mode, psw);
     Tensor grad = check_grad_out(op, c, grad_out);

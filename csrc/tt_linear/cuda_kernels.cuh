@@ -43,6 +43,24 @@ __host__ __device__ __forceinline__ int segment_of(int64_t item, const int64_t *
     return k;
 }
 
+// Item by item over the entries of D cores (off: their offsets, core_off)
+// and then `tail` more items: entry(k, o, item) for entry o of core k (at
+// `item` among all the cores' entries), tail_item(i) for tail item i.  The
+// kernels that sweep every core do a small job of their own in the same
+// launch: one launch fewer.
+template <typename Entry, typename Tail>
+__device__ __forceinline__ void for_core_entries(const int64_t *off, int D, int64_t tail,
+                                                 Entry entry, Tail tail_item) {
+    int64_t total = off[D];
+    COMERA_FOR_EACH(item, total + tail) {
+        if (item >= total) {
+            tail_item(item - total);
+            continue;
+        }
+        int k = segment_of(item, off);
+        entry(k, item - off[k], item);
+    }
+}
 
 // C (M x N, row-major) = A (M x K) B (K x N) over a slice of K: split s of
 // nsplit sums k in [s kchunk, (s + 1) kchunk) into c + s M N.  Splitting K
@@ -108,14 +126,8 @@ template <typename T> struct EffArgs {
 
 template <typename T> __global__ void eff_kernel(EffArgs<T> a) {
     typedef typename Acc<T>::type A;
-    int64_t total = a.off[a.D];
-    COMERA_FOR_EACH(item, total + a.n_zero) {
-        if (item >= total) {
-            a.zero[item - total] = 0;
-            continue;
-        }
-        int k = segment_of(item, a.off);
-        int64_t o = item - a.off[k];
+    auto zero = [&](int64_t i) { a.zero[i] = 0; };
+    auto entry = [&](int k, int64_t o, int64_t item) {
         A v = to_acc<A>(a.core[k][o]);
         if (a.gate[k]) v *= to_acc<A>(a.gate[k][mod_small(o, a.rank[k])]);
         a.eff[item] = v;
@@ -123,7 +135,8 @@ template <typename T> __global__ void eff_kernel(EffArgs<T> a) {
             int64_t i = o / a.cols[k];
             a.eff_t[a.off[k] + (o - i * a.cols[k]) * a.rows[k] + i] = v;
         }
-    }
+    };
+    for_core_entries(a.off, a.D, a.n_zero, entry, zero);
 }
 
 // Writes the element-type operands of the four big GEMMs: vc (in x rm) from
@@ -176,19 +189,14 @@ template <typename T> struct CoreGradArgs {
 
 template <typename T> __global__ void core_grad_kernel(CoreGradArgs<T> a) {
     typedef typename Acc<T>::type A;
-    int64_t total = a.off[a.D];
-    COMERA_FOR_EACH(item, total + a.n_bias) {
-        if (item >= total) {
-            a.dbias[item - total] = from_acc<T, A>(a.dbias_src[item - total]);
-            continue;
-        }
-        int k = segment_of(item, a.off);
-        int64_t o = item - a.off[k], size = a.off[k + 1] - a.off[k];
-        A s = sum_strided(a.src[k] + o, size, a.nsplit[k]);
+    auto bias = [&](int64_t i) { a.dbias[i] = from_acc<T, A>(a.dbias_src[i]); };
+    auto entry = [&](int k, int64_t o, int64_t item) {
+        A s = sum_strided(a.src[k] + o, a.off[k + 1] - a.off[k], a.nsplit[k]);
         a.deff[item] = s;
         a.dcore[k][o] =
             from_acc<T, A>(a.gate[k] ? s * to_acc<A>(a.gate[k][mod_small(o, a.gmod[k])]) : s);
-    }
+    };
+    for_core_entries(a.off, a.D, a.n_bias, entry, bias);
 }
 
 // d(gate k)[j] = sum_i d(eff k)[i, j] core_k[i, j], in two passes: partial
