@@ -93,7 +93,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         num_embeddings, embedding_dim, padding_idx: as for :class:`torch.nn.Embedding`
             (the padding row reads as zero and gets no gradient).
         rank: an int (every internal bond, capped at its TT bound) or a list of
-            ``d - 1`` ints.
+            ``d - 1`` ints; default 8, as for :class:`comera.TTLinear`.
         shape: ``None`` (3 cores: balanced factors, row count rounded up to a
             product, the largest row factors on the end cores), a core count, or
             a pair ``(row_modes, dim_modes)`` of equal length >= 2.
@@ -124,7 +124,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
-                 rank: Union[int, Sequence[int]],
+                 rank: Union[int, Sequence[int]] = 8,
                  shape: Union[None, int, Tuple[Sequence[int], Sequence[int]]] = None,
                  padding_idx: Optional[int] = None, mode: Optional[str] = None,
                  include_last_offset: bool = False, reuse: str = "auto",

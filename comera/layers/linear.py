@@ -143,7 +143,10 @@ class TTLinear(TTLayerMixin, nn.Module):
         return self.in_features * self.out_features / self.tt_params()
 
     # --------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input`` of shape ``(*, in_features)`` -> ``(*, out_features)``, as
+        :meth:`torch.nn.Linear.forward` (its argument has the same name)."""
+        x = input
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"TTLinear expects a Tensor input, got {type(x).__name__}")
         if not x.is_floating_point():

@@ -76,7 +76,8 @@ class TiedTTLinear(nn.Module):
         """The tied weight, ``(out_features, in_features)`` = the embedding's table."""
         return embedding_table(self.embedding)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input  # nn.Linear's argument name, so m(input=x) works
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("TiedTTLinear expects a floating-point Tensor input, got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")

@@ -12,6 +12,7 @@ float32 on the CPU).  Differences by design are asserted in
 ``test_difference_*`` tests, each naming the difference.
 """
 import copy
+import inspect
 import io
 from dataclasses import dataclass, field
 from typing import Callable, List, Tuple
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera
+from comera.layers.tied import TiedTTLinear
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.needs_cuda)]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -375,6 +377,28 @@ def test_meta_device_then_to_empty_and_reset(case):
     assert torch.isfinite(out).all()
     ref = case.reference(copy.deepcopy(m), args)
     _assert_close(out, ref, torch.float32)
+
+
+def test_constructor_and_forward_signatures_follow_torch():
+    """The layers are built and called as the modules they replace: the
+    forward argument is ``input`` (``m(input=x)``), and ``TTEmbedding(n, d)``
+    / ``TTLinear(i, o)`` need no rank (default 8, capped by the TT bound)."""
+    for cls, dense in ((comera.TTLinear, nn.Linear), (TiedTTLinear, nn.Linear),
+                       (comera.TTEmbedding, nn.Embedding)):
+        assert list(inspect.signature(cls.forward).parameters)[1] == \
+            list(inspect.signature(dense.forward).parameters)[1] == "input"
+    lin = comera.TTLinear(10, 3)
+    x = torch.randn(2, 10)
+    torch.testing.assert_close(lin(input=x), lin(x))
+    emb = comera.TTEmbedding(10, 3)
+    assert emb.ranks == [3, 6] and comera.TTEmbedding(1000, 64).ranks == [8, 8]
+    idx = torch.tensor([[1, 9]])
+    torch.testing.assert_close(emb(input=idx), emb(idx))
+    head = TiedTTLinear(emb)
+    torch.testing.assert_close(head(input=torch.ones(2, 3)), head(torch.ones(2, 3)))
+    bag = comera.TTEmbedding(10, 3, mode="sum")
+    torch.testing.assert_close(bag(input=torch.tensor([1, 2]), offsets=torch.tensor([0, 1])),
+                               bag(torch.tensor([1, 2]), torch.tensor([0, 1])))
 
 
 # ------------------------------------------------------- differences by design
