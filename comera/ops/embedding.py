@@ -14,7 +14,8 @@ import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
 from comera.ops.dense import ttm_table
-from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
+from comera.ops.func import (any_batched, composite_vjp, func_active, legacy_batched, needs_graph,
+                             register_loop_vmap)
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -106,10 +107,13 @@ def _graph_backward(grad, indices, offsets, psw, cores, gates, args, psw_grad):
 # One backward, two doors to it, as for tt_linear (comera/ops/linear.py): the
 # operator's registered autograd and TTEmbeddingFunction.
 def _backward_from(saved, num_cores, args, psw_grad, grad):
-    """(dcores, dgates, dper_sample_weights) from the saved tensors."""
+    """(dcores, dgates, dper_sample_weights) from the saved tensors: by the
+    backward op, or from the dense table when the gradients must be
+    differentiable or ``grad`` is a batch of the older vmap
+    (:func:`comera.ops.func.legacy_batched`)."""
     indices, offsets, psw, *cg = saved
     cores, gates = cg[:num_cores], cg[num_cores:]
-    if needs_graph():
+    if needs_graph() or legacy_batched(grad):
         return _graph_backward(grad, indices, offsets, psw, cores, gates, args, psw_grad)
     grad = grad.contiguous()
     gcores, ggates = torch.ops.comera.tt_embedding_backward(
@@ -157,18 +161,19 @@ class TTEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _i, _o, dpsw, _a, _n, *dcg):
-        # multilinear in per_sample_weights and in each core and gate
+        # multilinear in per_sample_weights and in each core and gate; tangents
+        # that are a batch of the older vmap go through the dense table
         indices, offsets, psw, *cg = ctx.saved_tensors
         n = ctx.num_cores
+        lookup = dense_lookup if legacy_batched(dpsw, *dcg) else torch.ops.comera.tt_embedding
         out = None
         for k, d in enumerate(dcg):
             if d is not None:
                 c = cg[:k] + [d] + cg[k + 1:]
-                y = torch.ops.comera.tt_embedding(indices, offsets, psw, c[:n], c[n:], *ctx.args)
+                y = lookup(indices, offsets, psw, c[:n], c[n:], *ctx.args)
                 out = y if out is None else out + y
         if dpsw is not None:
-            y = torch.ops.comera.tt_embedding(indices, offsets, dpsw.contiguous(), cg[:n], cg[n:],
-                                              *ctx.args)
+            y = lookup(indices, offsets, dpsw.contiguous(), cg[:n], cg[n:], *ctx.args)
             out = y if out is None else out + y
         if out is None:
             rows = indices.shape[0] if ctx.args[3] == 0 else offsets.shape[0] - 1

@@ -18,6 +18,14 @@ a batch dim only on the rows is folded into the rows where that is exact
 (the forward ops), and everything else is computed one batch entry at a time
 and stacked, which is always exact (per-sample core gradients need the
 per-sample backward, not the summed one).
+
+torch's older vmap (``torch._vmap_internals``: ``autograd.grad(...,
+is_grads_batched=True)``, ``autograd.functional.jacobian(vectorize=True)``,
+gradcheck's batched checks) never reaches those rules: its batched tensors
+dispatch to the ``Batched`` key, whose per-entry fallback refuses operators
+with ``Tensor[]`` arguments.  Under it (:func:`legacy_batched`) the wrappers'
+backward and forward-mode tangents are computed in plain torch ops instead,
+the same re-expression double backward uses.
 """
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -25,6 +33,7 @@ import torch
 from torch.autograd import forward_ad
 
 _peek = torch._C._functorch.peek_interpreter_stack
+_is_legacy = torch._C._functorch.is_legacy_batchedtensor
 _compiling = torch.compiler.is_compiling
 
 
@@ -91,6 +100,27 @@ def register_loop_vmap(name: str, fold: Optional[Callable] = None) -> None:
         return loop(op, info, in_dims, args)
 
     torch.library.register_vmap(f"comera::{name}", rule)
+
+
+def legacy_batched(*tensors) -> bool:
+    """Whether any of ``tensors`` is a BatchedTensor of torch's older vmap
+    (``torch._vmap_internals``), which ``autograd.grad(is_grads_batched=True)``,
+    ``autograd.functional.jacobian(vectorize=True)`` and gradcheck's batched
+    checks run the backward (or a forward-mode tangent) under.  That vmap
+    dispatches to the ``Batched`` key, not to the rules of
+    :func:`register_loop_vmap` (functorch's ``torch.vmap``), and its per-entry
+    fallback refuses operators with ``Tensor[]`` arguments, as every comera
+    operator has; so the wrappers compute such calls in plain torch ops.
+
+    Example:
+        >>> import torch
+        >>> from torch._vmap_internals import _vmap
+        >>> legacy_batched(torch.zeros(2))
+        False
+        >>> _vmap(lambda v: torch.tensor(legacy_batched(v)))(torch.zeros(3, 2)).tolist()
+        [True, True, True]
+    """
+    return any(t is not None and _is_legacy(t) for t in tensors)
 
 
 def needs_graph() -> bool:

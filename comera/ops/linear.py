@@ -12,9 +12,10 @@ import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
 from comera.ops import route
-from comera.ops.dense import dense_wt
+from comera.ops.dense import merge
 from comera.ops.linear_plan import PATHS
-from comera.ops.func import any_batched, composite_vjp, func_active, needs_graph, register_loop_vmap
+from comera.ops.func import (any_batched, composite_vjp, func_active, legacy_batched, needs_graph,
+                             register_loop_vmap)
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -39,17 +40,34 @@ def _tt_linear_backward_fake(grad_y, x, t, cores, gates, has_bias, needs_input_g
 # (direct calls of torch.ops.comera.tt_linear, torch.compile, torch.export)
 # and TTLinearFunction (every call of the Python wrapper: eager training,
 # torch.func transforms, forward-mode AD).  Both save (x, t, cores, gates).
+def _composite(x, cores, gates, num_in_cores, out_features):
+    """``x`` (2-D) times the TT weight in plain torch ops: the merge path, ``V``
+    and ``U`` merged from the cores (``(in_features + out_features) * r``
+    memory, never the dense weight).  Differentiable to any order and
+    traceable by either vmap (the older one has no rule for the alias that a
+    full-range slice makes, so padding is cut only where there is some)."""
+    p = num_in_cores
+    V = merge(cores[:p], gates[:p])
+    if V.shape[0] != x.shape[-1]:
+        V = V[: x.shape[-1]]
+    U = merge(cores[p:], gates[p:]).reshape(V.shape[1], -1)
+    if U.shape[1] != out_features:
+        U = U[:, :out_features]
+    return (x @ V) @ U
+
+
 def _backward_from(saved, needs_x, num_cores, has_bias, num_in_cores, out_features, path,
                    grad_y):
-    """(dx, dcores, dgates, dbias) from the saved tensors, by the backward op,
-    or by the dense form when the gradients must be differentiable (double
-    backward, hessians; costs ``in_features * out_features`` memory, like
-    nn.Linear)."""
+    """(dx, dcores, dgates, dbias) from the saved tensors, by the backward op;
+    by the vjp of :func:`_composite` when the gradients must be differentiable
+    (double backward, hessians) or ``grad_y`` is a batch of the older vmap
+    (``autograd.grad(is_grads_batched=True)``, ``jacobian(vectorize=True)``,
+    gradcheck's batched check; see :func:`comera.ops.func.legacy_batched`)."""
     x, t, *cg = saved
     cores, gates = list(cg[:num_cores]), list(cg[num_cores:])
-    if needs_graph():
+    if needs_graph() or legacy_batched(grad_y):
         def f(x_, cores_, gates_):
-            return x_ @ dense_wt(cores_, gates_, num_in_cores, x_.shape[-1], out_features)
+            return _composite(x_, cores_, gates_, num_in_cores, out_features)
 
         gx, gcores, ggates = composite_vjp(f, (x, cores, gates), grad_y)
         gb = grad_y.sum(0) if has_bias else None
@@ -112,15 +130,21 @@ class TTLinearFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, dx, dbias, _a, _b, _c, _d, *dcg):
         # y = f(x, cores, gates) + bias, f linear in x and in each core and gate
-        # separately: the tangent is one f call per input that has a tangent
+        # separately: the tangent is one f call per input that has a tangent (in
+        # torch ops when the tangents are a batch of the older vmap, as in
+        # gradcheck's batched forward-mode check)
         x, *cg = ctx.saved_tensors
         n, _, num_in_cores, out_features, path = ctx.args
         out = None
+        composite = legacy_batched(dx, dbias, *dcg)
 
         def add(x_, cg_):
             nonlocal out
-            y, _ = torch.ops.comera.tt_linear(x_.contiguous(), list(cg_[:n]), list(cg_[n:]),
-                                              None, num_in_cores, out_features, path)
+            if composite:
+                y = _composite(x_, list(cg_[:n]), list(cg_[n:]), num_in_cores, out_features)
+            else:
+                y, _ = torch.ops.comera.tt_linear(x_.contiguous(), list(cg_[:n]), list(cg_[n:]),
+                                                  None, num_in_cores, out_features, path)
             out = y if out is None else out + y
 
         if dx is not None:
