@@ -69,7 +69,8 @@ def dense_lookup(indices, offsets, psw, cores, gates, num_embeddings, embedding_
         keep = torch.ones(num_embeddings, 1, dtype=table.dtype, device=table.device)
         keep[padding_idx] = 0
         table = table * keep
-    rows = torch.nn.functional.embedding(indices, table)
+    # index_select, not F.embedding, whose double backward fails on zero indices
+    rows = table.index_select(0, indices.reshape(-1)).reshape(*indices.shape, table.shape[-1])
     if mode == 0:
         return rows
     # bags as a segment sum (F.embedding_bag has no double backward)
