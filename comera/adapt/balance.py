@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from comera.layers.base import full_value, write_full_value_
+
 
 @torch.no_grad()
 def balance_(layer: nn.Module) -> bool:
@@ -18,7 +20,8 @@ def balance_(layer: nn.Module) -> bool:
     entries stay exactly zero.  Returns False, leaving the layer untouched,
     when a rank exceeds what its neighbours can carry (``r_k > r_{k-1} n_k``
     or ``r_{k-1} > n_k r_k``: a redundant rank) or a gate holds a non-finite
-    value.
+    value.  Sharded (DTensor) cores and gates are gathered, balanced whole and
+    written back piece by piece: call it in every process.
 
     Example:
         >>> import torch, comera
@@ -31,7 +34,9 @@ def balance_(layer: nn.Module) -> bool:
         >>> [round(float(g.detach().max()), 6) for g in layer.gates]
         [1.0, 1.0, 1.0]
     """
-    cores, gates = list(layer.cores), list(layer.gates)
+    params = list(layer.cores), list(layer.gates)
+    # whole values (sharded parameters are gathered: every process computes the same)
+    cores, gates = [full_value(c) for c in params[0]], [full_value(g) for g in params[1]]
     D = len(cores)
     if D < 2:
         return False
@@ -72,8 +77,8 @@ def balance_(layer: nn.Module) -> bool:
         inv = torch.where(live, top / torch.where(live, s, torch.ones_like(s)), torch.zeros_like(s))
         new_gates.append(g)
         new_cores.append(M[k + 1] * inv[:, None, None])
-    for c, new in zip(cores, new_cores):
-        c.data.copy_(new.reshape(c.shape).to(c.dtype))
-    for g, new in zip(gates, new_gates):
-        g.data.copy_(new.to(g.dtype))
+    for c, new in zip(params[0], new_cores):
+        write_full_value_(c, new.reshape(c.shape).to(c.dtype))
+    for g, new in zip(params[1], new_gates):
+        write_full_value_(g, new.to(g.dtype))
     return True

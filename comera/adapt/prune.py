@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from comera.layers.base import replace_data, tt_layers
+from comera.layers.base import is_sharded, replace_data, tt_layers
 
 
 def keep_indices(gate: torch.Tensor) -> torch.Tensor:
@@ -22,7 +22,7 @@ def keep_indices(gate: torch.Tensor) -> torch.Tensor:
     return keep
 
 
-def _cut(t: torch.Tensor, left: Optional[torch.Tensor], right: Optional[torch.Tensor]) -> torch.Tensor:
+def cut(t: torch.Tensor, left: Optional[torch.Tensor], right: Optional[torch.Tensor]) -> torch.Tensor:
     """``t`` with its first dim indexed by ``left`` and its last by ``right``."""
     if left is not None:
         t = t.index_select(0, left.to(t.device))
@@ -40,20 +40,20 @@ def _factored(shape: torch.Size, param_shape: torch.Size) -> bool:
 @torch.no_grad()
 def _shrink(p: nn.Parameter, left, right, optimizer) -> None:
     old_shape = p.shape
-    replace_data(p, _cut(p.data, left, right))
+    replace_data(p, cut(p.data, left, right))
     if p.grad is not None:
-        p.grad = _cut(p.grad, left, right) if p.grad.shape == old_shape else None
+        p.grad = cut(p.grad, left, right) if p.grad.shape == old_shape else None
     if optimizer is not None and p in optimizer.state:
         state = optimizer.state[p]
         for key, value in list(state.items()):
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape == old_shape:
-                state[key] = _cut(value, left, right)
+                state[key] = cut(value, left, right)
             elif _factored(value.shape, old_shape):
                 # a factored statistic (Adafactor's row_var / col_var): same dims, some of them
                 # reduced to 1; cut the rank dims it still has
-                state[key] = _cut(value, left if value.shape[0] == old_shape[0] else None,
+                state[key] = cut(value, left if value.shape[0] == old_shape[0] else None,
                                   right if value.shape[-1] == old_shape[-1] else None)
 
 
@@ -91,6 +91,12 @@ def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -
                         f"got {type(optimizer).__name__}")
     changed: Dict[str, List[int]] = {}
     found = False
+    for name, layer in tt_layers(model):
+        if any(is_sharded(p) for p in layer.parameters()):
+            raise TypeError(f"prune: TT layer '{name or '<model>'}' has sharded (DTensor) "
+                            "parameters (FSDP2's fully_shard): use "
+                            "comera.integrations.fsdp.prune(model, optimizer), which also "
+                            "updates FSDP's own records of the parameters")
     # every layer is checked before any is cut: a NaN anywhere prunes nothing
     for name, layer in tt_layers(model):
         for k, g in enumerate(layer.gates):

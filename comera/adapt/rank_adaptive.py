@@ -26,11 +26,21 @@ Who does what: :class:`RankAdaptive` owns the schedule and the state
 :class:`comera.adapt.step.GateStep` steps the gates;
 :class:`comera.adapt.controller.RankController` decides; :func:`comera.prune`
 cuts dead ranks out.
+
+Sharded parameters (FSDP2's ``fully_shard``, before or after the controller
+is built): balancing, the gate step and the controller work on the gates'
+(and for the ``"magnitude"`` rule the cores') whole values, gathered with
+``full_tensor()``; process 0's outcome (gates and controller state) is
+broadcast, and each process writes back its own piece of the gates, so every
+process takes the same decisions.  Every process must then run the same
+steps.  Pruning sharded layers needs FSDP's own bookkeeping:
+``pruner=comera.integrations.fsdp.prune`` (docs/distributed.md).
 """
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from comera.adapt.balance import balance_
@@ -40,7 +50,10 @@ from comera.adapt.prune import keep_indices, prune
 from comera.adapt.settings import SAVED, check_int, check_settings
 from comera.adapt.state import ControllerState
 from comera.adapt.step import GateStep
-from comera.layers.base import dense_params, mode_size, param_list, tt_layers
+from comera.layers.base import (dense_params, full_value, is_sharded, mode_size, param_list,
+                                tt_layers, write_full_value_)
+
+Pruner = Callable[[nn.Module, Optional[torch.optim.Optimizer]], Dict[str, List[int]]]
 
 
 class RankAdaptive:
@@ -80,6 +93,10 @@ class RankAdaptive:
             once and stop the stage-2 kill loop at the last kill, which in
             eager CUDA stage 2 costs a few syncs per step instead of the
             sync-free loop's fixed number of rounds.
+        pruner: what prunes every ``prune_every`` steps, called as
+            ``pruner(model, optimizer)``: :func:`comera.prune` (default), or
+            ``comera.integrations.fsdp.prune`` for a model whose TT layers are
+            sharded by FSDP2's ``fully_shard`` (required there).
 
     Usage: ``ra.attach(optimizer)`` once, then train as usual; or call
     :meth:`step` right after every ``optimizer.step()``.  :meth:`penalty`
@@ -103,7 +120,7 @@ class RankAdaptive:
                  stage1_steps: int = 1000, stage2_steps: int = 1000,
                  target_compression: Optional[float] = None, prune_every: Optional[int] = None,
                  min_rank: int = 1, stage2_rule: str = "saliency", balance: bool = True,
-                 sync_free: Optional[bool] = None):
+                 sync_free: Optional[bool] = None, pruner: Optional[Pruner] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         # gamma, threshold, stage1_steps, ..., sync_free: the checked arguments, as attributes
@@ -111,8 +128,12 @@ class RankAdaptive:
             gamma=gamma, threshold=threshold, stage1_steps=stage1_steps, stage2_steps=stage2_steps,
             target_compression=target_compression, prune_every=prune_every, min_rank=min_rank,
             stage2_rule=stage2_rule, balance=balance, sync_free=sync_free))
+        if pruner is not None and not callable(pruner):
+            raise TypeError(f"pruner must be callable, got {type(pruner).__name__}")
         self.model = model
+        self._pruner = pruner
         self._layers: List[Tuple[str, nn.Module]] = list(tt_layers(model))
+        self._check_pruner()
         if not self._layers:
             warnings.warn("comera.RankAdaptive: the model has no TT layers (TTLinear / "
                           "TTEmbedding); the controller does nothing (penalty() is 0, step() "
@@ -127,7 +148,7 @@ class RankAdaptive:
             else self._dense / self.target_compression)
         self._gate_step = GateStep(self.controller, self._layers, threshold=self.threshold,
                                    rule=self.stage2_rule)
-        self.state = ControllerState.for_gates(self._gates())
+        self.state = ControllerState.for_gates(self._values(self._gates()))
         self._rates = GateRates()
         self._fg: Optional[FlatGates] = None  # the gates' flat layout, rebuilt when they change
         self._hooks: list = []
@@ -167,6 +188,53 @@ class RankAdaptive:
     def _gates(self) -> List[nn.Parameter]:
         return [g for _, layer in self._layers for g in param_list(layer.gates)]
 
+    def _check_pruner(self) -> None:
+        """Sharded TT layers are pruned by FSDP's glue, never by comera.prune."""
+        if self.prune_every is None or self._pruner is not None:
+            return
+        if any(is_sharded(p) for _, layer in self._layers for p in layer.parameters()):
+            raise ValueError("RankAdaptive: the TT layers are sharded (DTensor parameters, "
+                             "FSDP2's fully_shard) and prune_every is set: pass "
+                             "pruner=comera.integrations.fsdp.prune")
+
+    @staticmethod
+    def _values(gates: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Plain tensors holding the gates' whole values, for the state and the
+        step: the gates themselves, or, when they are sharded, gathered copies
+        carrying gathered gradients (a collective)."""
+        if not any(is_sharded(g) for g in gates):
+            return gates
+        out = []
+        for g in gates:
+            v = full_value(g).clone()
+            if g.grad is not None:
+                v.grad = full_value(g.grad)
+            out.append(v)
+        return out
+
+    def _follow(self) -> None:
+        """Rebuilds the state's per-gate tensors if the gates changed shape or
+        device (gathering sharded gates only then)."""
+        gates = self._gates()
+        if not self.state.fits(gates):
+            self.state.follow(self._values(gates))
+
+    @torch.no_grad()
+    def _agree(self, params: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+        """Sharded gates: process 0's gate values and state go to every
+        process (so that floating-point noise can never make them decide
+        differently), then each process writes its piece of the gates."""
+        mesh = params[0].device_mesh
+        group = mesh.get_group() if mesh.ndim == 1 else None
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        fg = self._flat(values)
+        packed = torch.cat([fg.cat(values).double(), self.state.pack()])
+        dist.broadcast(packed, src=src, group=group)
+        fg.write_(values, packed[:fg.total].to(values[0].dtype))
+        self.state.unpack_(packed[fg.total:])
+        for p, v in zip(params, values):
+            write_full_value_(p, v)
+
     def _flat(self, gates: List[torch.Tensor]) -> FlatGates:
         """The gates' flat layout (comera.adapt.gates), rebuilt when the sizes change."""
         if self._fg is None or not self._fg.matches(gates):
@@ -176,9 +244,8 @@ class RankAdaptive:
 
     def _live(self) -> torch.Tensor:
         """Live ranks per bond (an int64 tensor)."""
-        gates = self._gates()
-        self.state.follow(gates)
-        fg = self._flat(gates)
+        self._follow()
+        fg = self._flat(self.state.signs)
         return fg.counts(fg.cat(self.state.signs) != 0)
 
     def compression(self) -> float:
@@ -194,7 +261,8 @@ class RankAdaptive:
         (``loss + ra.penalty()``) still run: the L1 pull of both stages is
         the decoupled proximal step inside :meth:`step`."""
         gates = self._gates()
-        return gates[0].new_zeros(()) if gates else torch.zeros(())
+        return torch.zeros((), dtype=gates[0].dtype, device=gates[0].device) if gates \
+            else torch.zeros(())
 
     def shrink_strength(self) -> List[float]:
         """Per gate, this step's L1 strength before the learning rate: ``gamma``
@@ -264,16 +332,21 @@ class RankAdaptive:
         if not self._layers:
             self.state.step += 1
             return
-        gates = self._gates()
+        self._check_pruner()
+        params = self._gates()
+        gates = self._values(params)
         self.state.follow(gates)
         fg = self._flat(gates)
-        self._gate_step.run(self.state, fg, gates, self._rates(optimizer, gates, fg.device),
+        self._gate_step.run(self.state, fg, gates, self._rates(optimizer, params, fg.device),
                             sync=not self.uses_sync_free())
+        if gates is not params:
+            self._agree(params, gates)
         self.state.step += 1
         if self.prune_every is not None and self.state.step % self.prune_every == 0:
             self.check()
             keeps = [keep_indices(g) for g in gates]
-            prune(self.model, optimizer)
+            (self._pruner or prune)(self.model, optimizer)
+            gates = self._values(self._gates())
             self.state.after_prune(gates, keeps)
             self._flat(gates)  # the new layout now, not in the next (maybe sync-free) step
 
@@ -314,6 +387,6 @@ class RankAdaptive:
                           f"settings ({', '.join(f'{k}={saved[k]!r}' for k in diff)}); "
                           "continuing with this controller's", stacklevel=2)
         check_int("step", state["step"], 0)
-        gates = self._gates()
+        gates = self._values(self._gates())
         self.state.follow(gates)
         self.state.load_checkpoint(state, gates)

@@ -78,6 +78,41 @@ class ControllerState:
         """Where the scalars live (the first gate's device)."""
         return self.lam.device
 
+    def fits(self, gates: Sequence[torch.Tensor]) -> bool:
+        """Whether the per-gate tensors and the scalars fit ``gates`` (shapes
+        and devices only: no value is read)."""
+        return _fits(self.signs, gates) and _fits(self.saliency, gates) and (
+            not gates or gates[0].device == self.device)
+
+    def pack(self) -> torch.Tensor:
+        """Signs, saliency and scalars as one float64 tensor (for a broadcast).
+
+        Example:
+            >>> import torch
+            >>> a = ControllerState.for_gates([torch.tensor([0.5, 0.0])])
+            >>> b = ControllerState.for_gates([torch.tensor([0.0, 0.2])])
+            >>> _ = a.lam.fill_(3.0); b.unpack_(a.pack())
+            >>> b.signs[0].tolist(), float(b.lam)
+            ([1, 0], 3.0)
+        """
+        parts = [torch.cat([t.reshape(-1).double() for t in ts]) if ts else
+                 torch.zeros(0, dtype=torch.float64, device=self.device)
+                 for ts in (self.signs, self.saliency)]
+        scalars = [getattr(self, name).reshape(-1).double() for name in self._SCALARS]
+        return torch.cat([p.to(self.device) for p in parts] + scalars)
+
+    def unpack_(self, packed: torch.Tensor) -> None:
+        """Takes the values of :meth:`pack` (of a state with the same layout)."""
+        at = 0
+        for ts in (self.signs, self.saliency):
+            for t in ts:
+                t.copy_(packed[at:at + t.numel()].view(t.shape))
+                at += t.numel()
+        for name in self._SCALARS:
+            t = getattr(self, name)
+            t.copy_(packed[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+
     def follow(self, gates: Sequence[torch.Tensor]) -> None:
         """Rebuilds what no longer fits the gates (after a prune or a move to
         another device): the signs from the gates, the saliency from zero;

@@ -28,6 +28,7 @@ from torch import nn
 from comera.adapt.controller import INF, RankController
 from comera.adapt.gates import FlatGates, on_device
 from comera.adapt.state import ControllerState
+from comera.layers.base import full_value
 from comera.ops.gate_prox import gate_prox_
 
 # Running average of the saliency |g * dL/dg|: weight of the past.
@@ -159,10 +160,11 @@ class GateStep:
         signs = torch.where(frozen, torch.where((signs0 != 0) & (now != 0), now, signs0), signs)
         died = (signs0 != 0) & (signs == 0) & (before != 0)
         candidates = (signs != 0) | died
+        norms = self.slice_norms(fg) if self.rule == "magnitude" else None
 
         def scores() -> torch.Tensor:
             value = torch.where(died, before, after)
-            contrib = self.contributions(fg, state.saliency, value)
+            contrib = self.contributions(fg, state.saliency, value, norms)
             return fg.pad(torch.where(candidates, contrib, INF), INF)
 
         revive, kill = self.controller.decide(
@@ -175,21 +177,29 @@ class GateStep:
         fg.write_(state.signs, torch.where(kill, torch.zeros_like(signs),
                                            torch.where(revive, back, signs)))
 
+    def slice_norms(self, fg: FlatGates) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per gate entry j (flat): the norms of the core slices that rank j
+        joins, left and right (sharded cores are gathered: a collective)."""
+        lefts, rights = [], []
+        for _, layer in self.layers:
+            cores = [full_value(c) for c in layer.cores]
+            for k in range(len(layer.gates)):
+                lefts.append(cores[k].reshape(-1, cores[k].shape[-1]).norm(dim=0))
+                rights.append(cores[k + 1].reshape(cores[k + 1].shape[0], -1).norm(dim=1))
+        return fg.cat(lefts), fg.cat(rights)
+
     def contributions(self, fg: FlatGates, saliency: Sequence[torch.Tensor],
-                      value: torch.Tensor) -> torch.Tensor:
+                      value: torch.Tensor,
+                      norms: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Each entry's contribution (flat, float64): how much removing it would
         cost.  ``"saliency"``: the running average of ``|g_j dL/dg_j|`` (the
         first-order loss change).  ``"magnitude"``: ``|g_j| * ||left slice j||
-        * ||right slice j||`` at ``value``, the size of rank j's contribution."""
+        * ||right slice j||`` at ``value``, the size of rank j's contribution
+        (``norms``: :meth:`slice_norms`, computed here when not given)."""
         if self.rule == "saliency":
             return fg.cat(saliency)
-        lefts, rights = [], []
-        for _, layer in self.layers:
-            cores = list(layer.cores)
-            for k in range(len(layer.gates)):
-                lefts.append(cores[k].detach().reshape(-1, cores[k].shape[-1]).norm(dim=0))
-                rights.append(cores[k + 1].detach().reshape(cores[k + 1].shape[0], -1).norm(dim=1))
-        return (value.abs() * fg.cat(lefts) * fg.cat(rights)).double()
+        lefts, rights = norms if norms is not None else self.slice_norms(fg)
+        return (value.abs() * lefts * rights).double()
 
     def nan_error(self, bad: Sequence[bool], deferred: bool = False) -> ValueError:
         """The error for the first gate marked in ``bad``, naming its layer."""

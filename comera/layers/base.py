@@ -21,6 +21,11 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, distribute_tensor
+else:  # a build without torch.distributed: no sharded parameters
+    DTensor, distribute_tensor = (), None
+
 
 def is_tt_layer(module: nn.Module) -> bool:
     """True for modules that carry TT cores and gates (TTLinear, TTEmbedding).
@@ -61,14 +66,63 @@ def param_list(plist: nn.ParameterList) -> List[torch.Tensor]:
     return list(plist._parameters.values())
 
 
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a DTensor (a parameter sharded by FSDP2's ``fully_shard``,
+    or otherwise distributed): its values live in pieces across processes.
+
+    Example:
+        >>> import torch
+        >>> is_sharded(torch.zeros(3))
+        False
+    """
+    return isinstance(t, DTensor)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly sharded) tensor, detached, as a plain
+    tensor on the local device.  For a DTensor this is ``full_tensor()``, a
+    collective: every process of its mesh must call it, in the same order.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> full_value(p).requires_grad
+        False
+    """
+    if isinstance(t, DTensor):
+        return t.detach().full_tensor()
+    return t.detach()
+
+
+@torch.no_grad()
+def write_full_value_(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies the whole value ``value`` (shaped like ``t``) into ``t`` in place;
+    a DTensor keeps its placements and takes its own piece of ``value`` (no
+    communication: every process passes the same ``value``).
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> write_full_value_(p, torch.tensor([1.0, 2.0])); p.tolist()
+        [1.0, 2.0]
+    """
+    if isinstance(t, DTensor):
+        mine = distribute_tensor(value.to(t.dtype), t.device_mesh, t.placements,
+                                 src_data_rank=None).to_local()
+        t.to_local().copy_(mine)
+    else:
+        t.copy_(value)
+
+
 def mode_size(core: torch.Tensor) -> int:
     """Entries of a core per (left rank, right rank) pair: the product of its modes."""
     return math.prod(core.shape[1:-1])
 
 
 def live_ranks(layer: nn.Module) -> List[int]:
-    """Non-zero gate entries per bond."""
-    return [int(torch.count_nonzero(g.detach())) for g in layer.gates]
+    """Non-zero gate entries per bond (for sharded gates a collective: see
+    :func:`full_value`)."""
+    return [int(torch.count_nonzero(full_value(g))) for g in layer.gates]
 
 
 def size_from_ranks(layer: nn.Module, ranks: List[int]) -> int:

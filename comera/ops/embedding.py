@@ -15,7 +15,7 @@ import torch
 from comera import _C  # noqa: F401  (registers the operators)
 from comera.ops.dense import ttm_table
 from comera.ops.func import (any_batched, composite_vjp, func_active, legacy_batched, needs_graph,
-                             register_loop_vmap)
+                             register_loop_vmap, unview_reshape)
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -334,7 +334,7 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
         _check_on_device(capturable, input, None, num_embeddings)
         out = _run(input.reshape(-1), None, None, cores, gates, num_embeddings, embedding_dim,
                     pad, 0, REUSE[reuse])
-        return _out(out, dtype).reshape(*input.shape, embedding_dim)
+        return unview_reshape(_out(out, dtype), (*input.shape, embedding_dim))
     if input.dim() == 2:
         if offsets is not None:
             raise ValueError("offsets must be None when input is 2-D (one bag per row), "

@@ -102,6 +102,23 @@ def register_loop_vmap(name: str, fold: Optional[Callable] = None) -> None:
     torch.library.register_vmap(f"comera::{name}", rule)
 
 
+def unview_reshape(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t.reshape(shape)`` for a fresh operator output ``t``, returned as a
+    tensor of its own rather than a view of ``t`` (as ``nn.Linear``'s output
+    is): FSDP2 warns about modules that return views, since an in-place op
+    on one would drop its backward hook.
+
+    Example:
+        >>> import torch
+        >>> unview_reshape(torch.zeros(6, 2), (2, 3, 2))._is_view()
+        False
+    """
+    shape = tuple(shape)
+    if tuple(t.shape) == shape:
+        return t
+    return torch.ops.aten._unsafe_view(t, shape)
+
+
 def legacy_batched(*tensors) -> bool:
     """Whether any of ``tensors`` is a BatchedTensor of torch's older vmap
     (``torch._vmap_internals``), which ``autograd.grad(is_grads_batched=True)``,
