@@ -121,8 +121,8 @@ def _agree(model: nn.Module, what: str) -> None:
                            f"ranks: {everyone}")
 
 
-def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
-          ) -> Dict[str, List[int]]:
+def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+          root: Optional[nn.Module] = None) -> Dict[str, List[int]]:
     """:func:`comera.prune` for a model whose TT layers are sharded by
     ``fully_shard``: the dead ranks (zero gate entries, read from the
     gathered gates, the same in every process) are cut out of the cores and
@@ -130,7 +130,9 @@ def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
     the parameters are renewed.  Layers that are not sharded are pruned as
     :func:`comera.prune` does.  Call it in every process at the same step
     (it is collective); it checks that the processes end with the same
-    ranks (RuntimeError otherwise).
+    ranks (RuntimeError otherwise).  ``root``: the module holding the FSDP
+    modules that shard ``model``'s TT layers, when ``model`` does not (a
+    root sharded around it; default ``model``).
 
     Returns ``{layer name: new ranks}`` for the layers that changed.
 
@@ -142,7 +144,7 @@ def prune(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"prune: model must be an nn.Module, got {type(model).__name__}")
-    managed = _fsdp_params(model)
+    managed = _fsdp_params(model if root is None else root)
     layers = list(tt_layers(model))
     gates = {name: [full_value(g) for g in layer.gates] for name, layer in layers}
     for name, values in gates.items():
@@ -184,13 +186,14 @@ def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
+                         root: Optional[nn.Module] = None) -> None:
     """Loads a whole-tensor state dict (:func:`full_state_dict`, or one saved
     from an unsharded model) into a sharded model: sharded TT layers are first
     resized to the checkpoint's ranks (as :meth:`load_state_dict` does for
     plain ones), then every tensor takes its values.  Keys must match exactly
-    (KeyError naming the difference)."""
-    managed = _fsdp_params(model)
+    (KeyError naming the difference).  ``root``: as for :func:`prune`."""
+    managed = _fsdp_params(model if root is None else root)
     for name, layer in tt_layers(model):
         prefix = f"{name}." if name else ""
         core_shapes, gate_shapes = checkpoint_shapes(layer, state_dict, prefix)

@@ -67,6 +67,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=_positive_int, default=1,
                    help="micro-batches per optimizer step: each process computes its share of "
                         "--batch-size in this many pieces (same result, less memory; default 1)")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state over the processes with "
+                        "FSDP2 (fully_shard on every TT layer, then the whole model) instead of "
+                        "replicating them with DistributedDataParallel; needs torchrun")
     g.add_argument("--compile", action="store_true", help="torch.compile the encoder (the output layer, on the masked positions only, "
                         "stays eager)")
 

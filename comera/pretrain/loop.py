@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from comera import storage
+from comera.adapt import RankAdaptive, prune
+from comera.integrations import fsdp as fsdp_glue
 from comera.pretrain.data import MLMData
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
 from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
 from comera.pretrain.processes import Context
-from comera.pretrain.step import MLMObjective, Stepper, evaluate  # noqa: F401 - evaluate: this module's API
+from comera.pretrain.step import MLMObjective, Stepper, evaluate, shard  # noqa: F401 - evaluate: this module's API
 
 METHODS = ("dense", "comera")
 
@@ -70,14 +72,13 @@ def make_schedule(optimizer, p: Preset):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def make_controller(model: nn.Module, p: Preset):
-    import comera
-    if not hasattr(comera, "RankAdaptive"):
-        raise RuntimeError("--method comera needs comera.RankAdaptive, which this build of comera lacks")
-    return comera.RankAdaptive(model, gamma=p.gamma, threshold=p.threshold,
-                               stage1_steps=int(p.stage1 * p.steps), stage2_steps=int(p.stage2 * p.steps),
-                               target_compression=p.target_compression, prune_every=p.prune_every,
-                               stage2_rule=p.stage2_rule)
+def make_controller(model: nn.Module, p: Preset, pruner=None):
+    """The preset's RankAdaptive for ``model`` (``pruner``: see RankAdaptive;
+    comera.integrations.fsdp.prune for a sharded model)."""
+    return RankAdaptive(model, gamma=p.gamma, threshold=p.threshold,
+                        stage1_steps=int(p.stage1 * p.steps), stage2_steps=int(p.stage2 * p.steps),
+                        target_compression=p.target_compression, prune_every=p.prune_every,
+                        stage2_rule=p.stage2_rule, pruner=pruner)
 
 
 def stage_name(controller) -> str:
@@ -119,11 +120,13 @@ class Budget:
 class Options:
     """How each step is computed: the processes (``ctx``), ``precision``
     (``"fp32"`` or ``"bf16"`` autocast), ``grad_accum`` micro-batches per
-    step, and ``compile`` (torch.compile of the forward)."""
+    step, ``compile`` (torch.compile of the forward) and ``fsdp`` (FSDP2
+    sharding over the processes instead of DistributedDataParallel)."""
     ctx: Optional[Context] = None
     precision: str = "fp32"
     grad_accum: int = 1
     compile: bool = False
+    fsdp: bool = False
 
 
 def _new_totals() -> dict:
@@ -131,9 +134,11 @@ def _new_totals() -> dict:
             "peak_memory_growth_bytes": 0}
 
 
-def _resume(path, model, optimizer, schedule, controller, ctx: Context, log) -> tuple:
+def _resume(path, model, optimizer, schedule, controller, ctx: Context, log,
+            root: Optional[nn.Module] = None) -> tuple:
     """(step, history, totals) from the checkpoint at ``path``, or a fresh
-    start; every process must find the same checkpoint."""
+    start; every process must find the same checkpoint.  ``root``: the FSDP2
+    root around a sharded ``model`` (the checkpoint holds whole tensors)."""
     state = storage.load_training_state(path) if os.path.exists(path) else None
     step = state["step"] if state is not None else 0
     if ctx.max(step) != step or ctx.max(-step) != -step:
@@ -142,8 +147,12 @@ def _resume(path, model, optimizer, schedule, controller, ctx: Context, log) -> 
                          "directory must be on a file system that every machine reads")
     if state is None:
         return 0, _new_history(), _new_totals()
-    storage.load_state_dict(model, state["model"])  # pruned TT layers resize first
-    optimizer.load_state_dict(state["optimizer"])
+    if root is not None:  # pruned TT layers resize first, in either case
+        fsdp_glue.load_full_state_dict(model, state["model"], root=root)
+        fsdp_glue.load_full_optimizer_state_dict(optimizer, state["optimizer"])
+    else:
+        storage.load_state_dict(model, state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
     if controller is not None:
         controller.load_state_dict(state["controller"])
@@ -183,26 +192,34 @@ class _MethodRun:
         self.memory.reset()
         build = build_comera if method == "comera" else build_dense
         self.model = build(p, data.vocab_size, seed).to(device).train()
+        # --fsdp: sharded before the optimizer sees the parameters
+        self.objective = shard(MLMObjective(self.model)) if opt.fsdp else None
         self.optimizer = make_optimizer(self.model, p, method_lr(method, p))
         self.schedule = make_schedule(self.optimizer, p)
         # The controller balances the TT layers when built (before any optimizer
         # state exists); attached, it runs after every optimizer.step().
-        self.controller = make_controller(self.model, p) if method == "comera" else None
+        self.controller = make_controller(self.model, p, self._prune if opt.fsdp else None) \
+            if method == "comera" else None
         if resume:
             self.step, self.history, self.totals = _resume(
                 self.path, self.model, self.optimizer, self.schedule, self.controller, ctx,
-                lambda m: log(f"{method}: {m}"))
+                lambda m: log(f"{method}: {m}"), root=self.objective)
         else:
             self.step, self.history, self.totals = 0, _new_history(), _new_totals()
         if self.step == 0:
             torch.manual_seed(seed)
         # Its gate-sync hook (several processes) must run before the controller's.
         self.stepper = Stepper(self.model, self.optimizer, device=device, ctx=ctx, precision=opt.precision,
-                               grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip)
+                               grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip,
+                               objective=self.objective)
         if self.controller is not None:
             self.controller.attach(self.optimizer)
         self.t_start = time.perf_counter()
         self.wall_before = self.totals["wall_time_s"]
+
+    def _prune(self, model: nn.Module, optimizer) -> dict:
+        """Pruning of the model sharded inside ``self.objective`` (--fsdp)."""
+        return fsdp_glue.prune(model, optimizer, root=self.objective)
 
     def save_checkpoint(self) -> None:
         totals = self.totals
@@ -211,19 +228,24 @@ class _MethodRun:
         totals["peak_memory_bytes"] = max(totals["peak_memory_bytes"], peak)
         totals["peak_memory_growth_bytes"] = max(totals.get("peak_memory_growth_bytes", 0),
                                                  peak - self.memory.baseline)
+        if self.opt.fsdp:  # whole tensors, gathered by every process
+            model_state = fsdp_glue.full_state_dict(self.model)
+            optimizer_state = fsdp_glue.full_optimizer_state_dict(self.optimizer)
         if not self.ctx.main:
             return
+        if not self.opt.fsdp:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         c = self.controller
         storage.save_training_state(self.path, {
-            "method": self.method, "step": self.step, "model": self.model.state_dict(),
-            "tt_ranks": storage.tt_shapes(self.model), "optimizer": self.optimizer.state_dict(),
+            "method": self.method, "step": self.step, "model": model_state,
+            "tt_ranks": storage.tt_shapes(self.model), "optimizer": optimizer_state,
             "schedule": self.schedule.state_dict(), "controller": c.state_dict() if c is not None else None,
             "rng": storage.rng_state(), "history": self.history, "totals": totals,
             "preset": asdict(self.p), "finished": self.step >= self.p.steps})
 
     def score(self) -> float:
         return evaluate(self.model, self.data, self.device, self.p.batch_size, ctx=self.ctx,
-                        precision=self.opt.precision)
+                        precision=self.opt.precision, objective=self.objective)
 
     def train_step(self) -> float:
         """One step, recorded in the history and totals; returns its loss."""
@@ -296,8 +318,7 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     if r.step >= p.steps and controller is not None:
         # Finished: cut dead ranks for good, so the saved model is small (the
         # gates are the same in every process, so are the cuts).
-        import comera
-        comera.prune(r.model, r.optimizer)
+        (r._prune if r.opt.fsdp else prune)(r.model, r.optimizer)
     if not history["compression"] or history["compression"][-1][0] != r.step:
         _record_structure(history, r.model, r.step, controller)
     r.save_checkpoint()

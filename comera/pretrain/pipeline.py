@@ -175,7 +175,13 @@ def run_pretrain(args, log=_log) -> dict:
     try:
         processes.split_batch(p.batch_size, ctx.world, grad_accum)
         options = Options(ctx=ctx, precision=getattr(args, "precision", "fp32"), grad_accum=grad_accum,
-                          compile=bool(getattr(args, "compile", False)))
+                          compile=bool(getattr(args, "compile", False)),
+                          fsdp=bool(getattr(args, "fsdp", False)))
+        if options.fsdp and not ctx.enabled:
+            raise ValueError("--fsdp shards the model over several processes: start the run with "
+                             "torchrun (torchrun --nproc-per-node N -m comera pretrain --fsdp ...)")
+        if options.fsdp and options.compile:
+            raise ValueError("--fsdp and --compile cannot be combined yet")
         return _run(args, config, p, methods, device, options, log if ctx.main else _quiet)
     finally:
         ctx.close()
@@ -196,7 +202,7 @@ def _run(args, config, p, methods, device, options: Options, log) -> dict:
     log(f"data: {data.train.shape[0]:,} training blocks of {p.seq_len}, "
         f"{data.valid_inputs.shape[0]} validation blocks; device {device}, {torch.get_num_threads()} "
         f"threads, {ctx.world} process(es), {options.precision}, --grad-accum {options.grad_accum}"
-        + (", compiled" if options.compile else ""))
+        + (", compiled" if options.compile else "") + (", FSDP2" if options.fsdp else ""))
 
     deadline_total = None if args.max_minutes is None else started + 60.0 * args.max_minutes
     results = dict(prep["finished"])
@@ -241,6 +247,7 @@ def _write(run_dir, config, prep, data, results, methods, device, options: Optio
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device),
            "threads": torch.get_num_threads(), "cpu_count": cpu_count(), "platform": platform.platform(),
            "processes": options.ctx.world, "backend": options.ctx.backend,
-           "precision": options.precision, "grad_accum": options.grad_accum, "compile": options.compile}
+           "precision": options.precision, "grad_accum": options.grad_accum, "compile": options.compile,
+           "fsdp": options.fsdp}
     return write_report(run_dir, config=config, corpus=prep["corpus"], tokenizer=prep["tokenizer"],
                         data=data.describe(), results=results, requested=methods, env=env)

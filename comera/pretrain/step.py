@@ -1,7 +1,7 @@
 """One optimizer step of masked-language-model training, however it is
-spread: over processes (DistributedDataParallel), over micro-batches
-(``--grad-accum``), in bfloat16 autocast (``--precision bf16``) and through
-``torch.compile`` (``--compile``).
+spread: over processes (DistributedDataParallel, or FSDP2 with ``--fsdp``),
+over micro-batches (``--grad-accum``), in bfloat16 autocast (``--precision
+bf16``) and through ``torch.compile`` (``--compile``).
 
 Every split computes the gradient of the same quantity, the summed
 cross-entropy of the whole global batch divided by its number of predicted
@@ -14,7 +14,11 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
+from comera.integrations.ddp import all_ranks, rewrap
+from comera.layers.base import tt_layers
 from comera.pretrain.processes import Context, split_batch
 
 PRECISIONS = ("fp32", "bf16")
@@ -49,6 +53,25 @@ class MLMObjective(nn.Module):
         chosen = labels != -100
         logits = self.model.lm_head(hidden[chosen])
         return F.cross_entropy(logits.float(), labels[chosen], reduction="sum")
+
+
+def shard(objective: MLMObjective) -> MLMObjective:
+    """FSDP2 over the processes of the run: every TT layer is its own unit
+    (``fully_shard``), then the whole objective, the root, which runs the
+    encoder and the output layer.  A TT layer that shares a parameter with a
+    module outside it (the output decoder's bias is also ``lm_head.bias``)
+    stays in the root's unit, as FSDP requires.  Returns ``objective``
+    (sharded in place)."""
+    holders = {}
+    for name, module in objective.named_modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(name)
+    for name, layer in tt_layers(objective):
+        inside = {n for n, _ in layer.named_modules(prefix=name)}
+        if all(holders[id(p)] <= inside for p in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(objective)
+    return objective
 
 
 def autocast(device: torch.device, precision: str):
@@ -91,18 +114,20 @@ class Stepper:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, device: torch.device,
                  ctx: Optional[Context] = None, precision: str = "fp32", grad_accum: int = 1,
-                 compile: bool = False, clip: Optional[float] = None):
+                 compile: bool = False, clip: Optional[float] = None,
+                 objective: Optional[MLMObjective] = None):
         autocast(device, precision)  # validates precision
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
             raise ValueError(f"--grad-accum must be an integer >= 1, got {grad_accum!r}")
         self.model, self.optimizer, self.device = model, optimizer, device
         self.ctx = ctx if ctx is not None else Context(device=device)
         self.precision, self.grad_accum, self.compile, self.clip = precision, grad_accum, compile, clip
-        self.objective = MLMObjective(model, compile=compile)
+        # a sharded objective (FSDP2, :func:`shard`) comes ready-made
+        self.objective = objective if objective is not None else MLMObjective(model, compile=compile)
+        self.fsdp = isinstance(self.objective, FSDPModule)
         self.ddp = None
         self._hook = None
-        if self.ctx.enabled:
-            from torch.nn.parallel import DistributedDataParallel
+        if self.ctx.enabled and not self.fsdp:
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.objective, device_ids=ids)
             self._hook = optimizer.register_step_post_hook(self._sync_gates)
@@ -111,7 +136,6 @@ class Stepper:
 
     @torch.no_grad()
     def _sync_gates(self, *_):
-        from comera.layers.base import tt_layers
         gates = [g for _, layer in tt_layers(self.model) for g in layer.gates]
         if not gates:
             return
@@ -126,9 +150,11 @@ class Stepper:
     def _after_prune(self) -> None:
         """Pruning (inside the controller's hook) changed parameter shapes."""
         self._shapes = _shapes(self.model)
+        if self.fsdp:  # comera.integrations.fsdp.prune renewed FSDP's records
+            self.ctx.agree(all_ranks(self.model), "the TT ranks after pruning")
+            return
         if self.ddp is None:
             return  # a compiled encoder recompiles for the new shapes by itself
-        from comera.integrations.ddp import all_ranks, rewrap
         self.ctx.agree(all_ranks(self.model), "the TT ranks after pruning")
         self.forward = self.ddp = rewrap(self.ddp)
 
@@ -153,6 +179,8 @@ class Stepper:
             last = i == self.grad_accum - 1
             part = slice(i * micro, (i + 1) * micro)
             sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            if self.fsdp:  # reduce-scatter the gradients after the last micro-batch only
+                self.objective.set_requires_gradient_sync(last)
             with sync:
                 with autocast(self.device, self.precision):
                     loss_sum = self.forward(inputs[part], labels[part])
@@ -174,21 +202,25 @@ class Stepper:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data, device: torch.device, batch_size: int, *,
-             ctx: Optional[Context] = None, precision: str = "fp32") -> float:
+             ctx: Optional[Context] = None, precision: str = "fp32",
+             objective: Optional[MLMObjective] = None) -> float:
     """Mean validation MLM loss per predicted token (fixed masks); the
-    processes of ``ctx`` score every ``world``-th batch each and add up."""
+    processes of ``ctx`` score every ``world``-th batch each and add up.
+    A sharded ``objective`` (FSDP2) needs every process in every forward:
+    then each process scores every batch (the same result, computed alike)."""
     ctx = ctx if ctx is not None else Context(device=device)
     was_training = model.training
     model.eval()
-    objective = MLMObjective(model)
+    sharded = isinstance(objective, FSDPModule)
+    objective = objective if objective is not None else MLMObjective(model)
     sums = torch.zeros(2, dtype=torch.float64)
     for i, (inputs, labels) in enumerate(data.valid_batches(batch_size)):
-        if i % ctx.world != ctx.rank:
+        if i % ctx.world != ctx.rank and not sharded:
             continue
         with autocast(device, precision):
             loss = objective(inputs.to(device), labels.to(device))
         sums[0] += float(loss)
         sums[1] += int((labels != -100).sum())
     model.train(was_training)
-    total, count = ctx.sum(sums).tolist()
+    total, count = (sums if sharded else ctx.sum(sums)).tolist()
     return total / max(1.0, count)

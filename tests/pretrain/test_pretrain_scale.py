@@ -213,3 +213,32 @@ def test_ctrl_c_twice_at_once_is_one_request(monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
+
+
+def test_fsdp_two_processes_train_like_one_and_resume(code_dir, reference, tmp_path):
+    """--fsdp: FSDP2 over 2 gloo processes (every TT layer and the whole model
+    sharded; the rank controller and pruning on the sharded parameters)
+    against 1 unsharded process: the same losses to 1e-4, the target
+    compression with the same final ranks; stopped after 10 steps (with
+    pruned ranks) and resumed from the whole-tensor checkpoint."""
+    one, two = reference, str(tmp_path / "fsdp")
+    _torchrun(two, code_dir, "--fsdp", "--stop-after", "10")
+    half, env = history(two, "comera")
+    assert env["fsdp"] is True and env["processes"] == 2 and env["backend"] == "gloo"
+    assert half["steps_done"] == 10 and half["compression_converted"] > 1.5
+    second = _torchrun(two, code_dir, "--fsdp", "--resume")
+    assert second.count("resumed from") == 1
+    a, _ = history(two, "comera")
+    b, _ = history(one, "comera")
+    assert a["history"]["step"] == list(range(1, 21)) and a["stopped"] == "finished"
+    assert max(abs(x - y) for x, y in zip(a["history"]["loss"], b["history"]["loss"])) <= 1e-4
+    assert a["final_ranks"] == b["final_ranks"]
+    assert a["history"]["compression"] == b["history"]["compression"]
+    assert a["compression_converted"] >= 20 * 0.99
+    assert a["valid_loss"] == pytest.approx(b["valid_loss"], abs=1e-4)
+
+
+def test_fsdp_needs_several_processes(code_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli("--corpus", code_dir, "--out", str(out), "--fsdp", *SIX) == 2
+    assert "--fsdp shards the model over several processes" in capsys.readouterr().err
