@@ -14,7 +14,8 @@
 
 namespace {
 // The float32 micro-kernel variant of the C kernels ("avx512", "avx2",
-// "generic"): chosen once per process, COMERA_ISA forces one.
+// "generic"; "avx512" also under the amx variant, which runs bfloat16 on
+// AMX tiles): chosen once per process, COMERA_ISA forces one.
 std::string cpu_isa() { return comera_gemm_isa(); }
 
 // [idle bytes, bytes in use, bytes freed] of the output pool
@@ -37,10 +38,12 @@ STABLE_TORCH_LIBRARY(comera, m) {
     m.def("tt_linear_backward(Tensor grad_y, Tensor x, Tensor t, Tensor[] cores, "
           "Tensor[] gates, bool has_bias, bool needs_input_grad, int num_in_cores, "
           "int out_features, int path) -> (Tensor, Tensor[], Tensor[], Tensor)");
-    // The planner's verdict for `batch` rows as a float64 tensor:
-    // [path, flops_merge, bytes_merge, seconds_merge, flops_seq, bytes_seq, seconds_seq]
+    // The planner's verdict for `batch` rows of element type dtype (COMERA_DT_*:
+    // 0 float32, 1 float64, 2 bfloat16, 3 float16) on `threads` threads, as a
+    // float64 tensor: [path, flops_merge, bytes_merge, seconds_merge, flops_seq,
+    // bytes_seq, seconds_seq, kernel (COMERA_KERNEL_*), dtype, threads]
     m.def("tt_linear_plan(int[] in_modes, int[] out_modes, int[] ranks, "
-          "int in_features, int out_features, int batch) -> Tensor");
+          "int in_features, int out_features, int batch, int dtype=0, int threads=1) -> Tensor");
 
     // --- tt_embedding (TTEmbedding) ---
     // Lookup of a TTM-format embedding (docs/design.md section 3).  cores[k] is

@@ -167,10 +167,17 @@ class TTLinear(TTLayerMixin, nn.Module):
                          self.num_in_cores, self.out_features, self.path)
 
     # ------------------------------------------------------------ inspection
-    def plan(self, batch: Optional[int] = None) -> dict:
+    def plan(self, batch: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> dict:
         """The C planner's choice and cost model for ``batch`` rows (default:
-        the rows of the last forward call), and under ``"route"`` whether such
-        calls run in comera's kernels or torch's BLAS (:mod:`comera.ops.route`).
+        the rows of the last forward call) in ``dtype`` (default: the dtype
+        the layer computes in: its own, or autocast's 16-bit dtype for a
+        float32 layer under ``torch.autocast("cpu")``), and under ``"route"``
+        whether such calls run in comera's kernels or torch's BLAS
+        (:mod:`comera.ops.route`).  ``"kernel"`` names the CPU micro-kernel
+        variant that runs the products in this process (``generic``,
+        ``avx2``, ``avx512``, or ``amx``: AMX tiles for bfloat16) and
+        ``"seconds"`` the planner's predicted time of one forward + backward
+        on it with ``"threads"`` threads.
 
         Example:
             >>> import comera
@@ -178,9 +185,16 @@ class TTLinear(TTLayerMixin, nn.Module):
             'merge'
         """
         batch = self._last_batch if batch is None else batch
+        if dtype is None:
+            dtype = self.cores[0].dtype
+            if (dtype == torch.float32 and torch.is_autocast_enabled("cpu")
+                    and torch.get_autocast_dtype("cpu") in _HALF):
+                dtype = torch.get_autocast_dtype("cpu")
         out = tt_linear_plan(self.in_shape, self.out_shape, [1] + self.ranks + [1],
-                             self.in_features, self.out_features, batch)
-        if self.path != "auto":
+                             self.in_features, self.out_features, batch, dtype)
+        if dtype in _HALF:  # the 16-bit kernels have the merge path only
+            out["route"] = {"choice": "comera", "why": f"{out['dtype']} runs comera's kernels"}
+        elif self.path != "auto":
             out["path"] = self.path
             out["route"] = {"choice": "comera", "why": f"path={self.path!r}"}
         elif out["path"] != "merge":

@@ -31,7 +31,7 @@ def _tt_linear_fake(x, cores, gates, bias, num_in_cores, out_features, path):
 def _tt_linear_backward_fake(grad_y, x, t, cores, gates, has_bias, needs_input_grad,
                              num_in_cores, out_features, path):
     gx = torch.empty_like(x) if needs_input_grad else x.new_empty(0)
-    gb = x.new_empty(out_features) if has_bias else x.new_empty(0)
+    gb = cores[0].new_empty(out_features) if has_bias else cores[0].new_empty(0)
     return gx, [torch.empty_like(c) for c in cores], [torch.empty_like(g) for g in gates], gb
 
 
@@ -176,12 +176,21 @@ register_loop_vmap("tt_linear_backward")
 
 
 # Autocast (AMP): the TT contractions always accumulate in float32.  On CPU,
-# called directly under autocast, the op casts its floating inputs to float32
-# (never float64 ones) and returns float32, like autocast's "fp32 ops"; the
-# wrapper below then returns autocast's dtype, like F.linear (see
-# _autocast_dtype).  On CUDA the wrapper runs the kernels in the autocast dtype
+# called under autocast with float32 cores, the op casts x alone to autocast's
+# 16-bit dtype (as F.linear casts its input) and runs the 16-bit kernels with
+# the float32 cores, gates and bias as they are; y comes out in autocast's
+# dtype, like F.linear's.  16-bit cores take x in their own dtype; float64
+# is left alone.  On CUDA the wrapper runs the kernels in the autocast dtype
 # (their accumulators are float32), which is where the GPU speed comes from.
-torch.library.register_autocast("comera::tt_linear", "cpu", torch.float32)
+@torch.library.impl("comera::tt_linear", "AutocastCPU")
+def _tt_linear_autocast_cpu(x, cores, gates, bias, num_in_cores, out_features, path):
+    want = cores[0].dtype if cores[0].dtype in _HALF else torch.get_autocast_dtype("cpu")
+    if x.dtype not in (torch.float64, want) and cores[0].dtype != torch.float64 and want in _HALF:
+        x = x.to(want)
+    with torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+        return torch.ops.comera.tt_linear.default(x, cores, gates, bias, num_in_cores,
+                                                  out_features, path)
 
 
 def _autocast_dtype(x: torch.Tensor, compute: torch.dtype) -> Optional[torch.dtype]:
@@ -200,14 +209,14 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
     """Applies a TT linear map to ``x`` of shape ``(*, in_features)``.
 
     ``cores`` (input cores first) and ``gates`` follow docs/design.md section 2;
-    computation happens in the cores' dtype (a bfloat16/float16 ``x`` is
-    computed in float32 and returned in its own dtype).  bfloat16/float16
-    cores: on CUDA the kernels take them (float32 accumulation); on the CPU,
-    whose kernels take float32/float64 only, cores, gates, bias and ``x`` are
-    cast to float32 per call and the result is cast back (gradients reach the
-    half-precision parameters through the casts).  Under
-    ``torch.autocast("cpu")`` a float32 layer computes in float32 and returns
-    autocast's dtype (bfloat16 by default), as ``F.linear`` does.  Under
+    computation happens in the cores' dtype (an ``x`` of another dtype is cast
+    to it, and the result returned in ``x``'s dtype).  bfloat16/float16 cores:
+    the kernels take them on CUDA and on the CPU (16-bit inputs and outputs,
+    float32 accumulation; AMX on CPUs that have it).  Under
+    ``torch.autocast("cpu")`` a float32 layer runs the CPU's 16-bit kernels on
+    ``x`` in autocast's dtype with its float32 cores, gates and bias as they
+    are, and returns autocast's dtype (bfloat16 by default), as ``F.linear``
+    does.  Under
     ``torch.autocast("cuda")`` a CUDA call runs in the autocast dtype with
     float32 accumulation, like :class:`torch.nn.Linear`: cores, gates and bias
     are cast per call and their gradients flow back in their own dtype.
@@ -233,12 +242,12 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         cores = [c.to(compute) for c in cores]
         gates = [g.to(compute) for g in gates]
         bias = bias.to(compute) if bias is not None else None
-    elif compute in _HALF and not x.is_cuda:
-        # the CPU kernels take float32/float64 only: float32 math, module dtype out
-        compute = torch.float32
-        cores = [c.float() for c in cores]
-        gates = [g.float() for g in gates]
-        bias = bias.float() if bias is not None else None
+    elif (compute == torch.float32 and x.device.type == "cpu" and x.dtype != torch.float64
+          and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in _HALF):
+        # the CPU's 16-bit kernels take the 16-bit x with the float32 cores, gates
+        # and bias as they are: nothing is cast but x (as F.linear casts it)
+        compute = torch.get_autocast_dtype("cpu")
+        autocast = True
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != compute:

@@ -6,6 +6,7 @@
 #define REAL float
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
+#include "comera/dtype.h"
 #include "common/gemm_loops.h"
 #include "common/workspace.h"
 
@@ -39,12 +40,12 @@ void comera_gemm_pack_b_f32(int64_t K, int64_t N, const float *B,
  * (a strip of rows a power-of-two stride apart thrashes the cache sets). */
 #define B_BLOCK_BYTES (160 * 1024)
 
-void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
-                            const float *A, int64_t rsa, int64_t csa,
-                            const float *Bp, float *C, int64_t ldc,
-                            int accumulate) {
+void comera_gemm_tiles(int64_t M, int64_t N, int64_t K, int at, const void *A, int64_t rsa,
+                       int64_t csa, const float *Bp, void *C, int ct, int64_t ldc, int mode,
+                       float *scratch) {
     if (M <= 0 || N <= 0) return;
     const comera_gemm_variant *v = comera_gemm_variant_in_use();
+    int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
     int64_t panel_bytes = (K > 0 ? K : 1) * NR * (int64_t)sizeof(float);
     int64_t nc = (B_BLOCK_BYTES / panel_bytes) * NR; /* columns */
     nc -= nc % v->nr;
@@ -53,14 +54,32 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
         int64_t jend = N - jb < nc ? N : jb + nc;
         for (int64_t i0 = 0; i0 < M; i0 += v->mr) {
             int mr = (int)(M - i0 < v->mr ? M - i0 : v->mr);
+            const float *a = (const float *)A + i0 * rsa;
+            int64_t ra = rsa, ca = csa;
+            if (at != COMERA_DT_F32) {
+                /* this row group of a 16-bit A in float32, K contiguous */
+                const uint16_t *h = (const uint16_t *)A + i0 * rsa;
+                for (int i = 0; i < mr; i++) v->widen(at, h + i * rsa, scratch + i * K, K);
+                a = scratch;
+                ra = K;
+                ca = 1;
+            }
             for (int64_t j0 = jb; j0 < jend; j0 += v->nr) {
                 int nr = (int)(N - j0 < v->nr ? N - j0 : v->nr);
-                v->tile(K, A + i0 * rsa, rsa, csa, Bp + j0 * K, C + i0 * ldc + j0, ldc, mr, nr,
-                        accumulate);
+                v->tile(K, a, ra, ca, Bp + j0 * K, (char *)C + (i0 * ldc + j0) * esize, ldc, mr,
+                        nr, mode, ct);
             }
         }
     }
-    if (accumulate == COMERA_GEMM_STREAM) comera_gemm_store_fence();
+    if (mode == COMERA_GEMM_STREAM) comera_gemm_store_fence();
+}
+
+void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
+                            const float *A, int64_t rsa, int64_t csa,
+                            const float *Bp, float *C, int64_t ldc,
+                            int accumulate) {
+    comera_gemm_tiles(M, N, K, COMERA_DT_F32, A, rsa, csa, Bp, C, COMERA_DT_F32, ldc, accumulate,
+                      NULL);
 }
 
 /* Below this many multiply-adds packing costs more than it saves. */

@@ -17,11 +17,22 @@
 extern "C" {
 #endif
 
-/* The float32 micro-kernel variant in use: "avx512", "avx2" or "generic".
+/* The micro-kernel variant in use: "amx", "avx512", "avx2" or "generic".
  * Chosen once per process: the best the CPU runs, or the one the COMERA_ISA
- * environment variable names (avx512|avx2|generic|auto; one the CPU cannot
- * run, or an unknown name, warns on stderr and falls back to the best). */
+ * environment variable names (amx|avx512|avx2|generic|auto; one the CPU
+ * cannot run, or an unknown name, warns on stderr and falls back to the
+ * best).  amx runs the avx512 tiles for float32 and float16 and AMX tiles
+ * for bfloat16 products. */
+const char *comera_gemm_variant_name(void);
+
+/* The float32 micro-kernel of that variant: "avx512" (also under amx),
+ * "avx2" or "generic". */
 const char *comera_gemm_isa(void);
+
+/* The kernel that runs products of element type dtype (COMERA_DT_*,
+ * comera/dtype.h): the variant's name for bfloat16, its float32 tile's for
+ * float32 and float16 (widened to float32), "generic" for float64. */
+const char *comera_gemm_isa_for(int dtype);
 
 /* 1 when the variant `name` is built in and this CPU runs it, else 0. */
 int comera_gemm_isa_available(const char *name);

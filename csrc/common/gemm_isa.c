@@ -1,4 +1,4 @@
-/* float32 micro-kernels, one per instruction set, and the choice among them.
+/* Micro-kernels, one per instruction set, and the choice among them.
  *
  * Each variant is an explicit function compiled for its ISA with
  * __attribute__((target)), so one build runs on any x86-64 and a variant can
@@ -17,9 +17,17 @@
  *            the last rows of a product.  AVX-512F; never selected on a CPU
  *            without it.
  *   generic  6 x 16 in plain C (SSE2 on x86-64 after vectorisation).
+ *   amx      the avx512 tiles for float32 and float16; bfloat16 products
+ *            on AMX tiles (common/gemm_amx.c).
+ *
+ * Every tile writes its C as float32 or, rounded in registers on the way
+ * out, as bfloat16 or float16 (the 16-bit kernels' outputs: no float32
+ * copy of them is ever made).  The widen functions turn 16-bit operands
+ * into float32 for the float32 tiles (common/gemm_half.c).
  */
 #include "common/gemm_isa.h"
 #include "common/gemm.h"
+#include "common/half.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,17 +41,45 @@
 
 #define NR COMERA_GEMM_NR
 
-/* Writes (or adds) the first mr x nr of a row-major tile of `width`-wide rows. */
-static void store_partial(const float *tile, int width, int mr, int nr, float *C,
-                          int64_t ldc, int accumulate) {
+/* Writes (or adds) the first mr x nr of a row-major tile of `width`-wide
+ * rows to C of element type ct (16-bit types: rounded, never added to). */
+static void store_partial(const float *tile, int width, int mr, int nr, void *C,
+                          int64_t ldc, int accumulate, int ct) {
     for (int i = 0; i < mr; i++) {
-        float *c = C + i * ldc;
         const float *t = tile + i * width;
+        if (ct != COMERA_DT_F32) {
+            uint16_t *h = (uint16_t *)C + i * ldc;
+            for (int j = 0; j < nr; j++) h[j] = comera_f32_to_half(ct, t[j]);
+            continue;
+        }
+        float *c = (float *)C + i * ldc;
         if (accumulate == COMERA_GEMM_ADD)
             for (int j = 0; j < nr; j++) c[j] += t[j];
         else
             for (int j = 0; j < nr; j++) c[j] = t[j];
     }
+}
+
+static void widen_generic(int dt, const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = comera_half_to_f32(dt, src[i]);
+}
+
+/* One panel of nr <= 16 columns from src (row stride ldb), zero-padded. */
+static void pack_half_panel(int dt, int64_t K, int64_t nr, const uint16_t *src, int64_t ldb,
+                            float *dst) {
+    for (int64_t k = 0; k < K; k++) {
+        int64_t j = 0;
+        for (; j < nr; j++) dst[k * NR + j] = comera_half_to_f32(dt, src[k * ldb + j]);
+        for (; j < NR; j++) dst[k * NR + j] = 0;
+    }
+}
+
+/* Panel by panel, each written front to back (its rows are 64-byte lines
+ * a K-row panel apart from the next panel's). */
+static void pack_half_generic(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
+                              float *packed) {
+    for (int64_t j0 = 0; j0 < N; j0 += NR)
+        pack_half_panel(dt, K, N - j0 < NR ? N - j0 : NR, B + j0, ldb, packed + j0 * K);
 }
 
 /* Rows beyond mr reuse the last valid row of A (every load stays in
@@ -54,8 +90,8 @@ static void row_pointers(const float **a, int rows, const float *A, int64_t rsa,
 
 #define GENERIC_MR 6
 static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                         const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                         int accumulate) {
+                         const float *Bp, void *C, int64_t ldc, int mr, int nr,
+                         int accumulate, int ct) {
     const float *a[GENERIC_MR];
     row_pointers(a, GENERIC_MR, A, rsa, mr);
     float acc[GENERIC_MR][NR];
@@ -67,18 +103,68 @@ static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
             for (int j = 0; j < NR; j++) acc[i][j] += s * b[j];
         }
     }
-    store_partial(&acc[0][0], NR, mr, nr, C, ldc, accumulate);
+    store_partial(&acc[0][0], NR, mr, nr, C, ldc, accumulate, ct);
 }
 
 #ifdef COMERA_X86_VARIANTS
+/* 8 floats to 8 bfloat16 / float16 values, rounded to nearest even */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m128i avx2_narrow(__m256 v, int ct) {
+    if (ct == COMERA_DT_F16) return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, q, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    /* 32-bit lanes to 16-bit: pack within 128-bit halves, then join them */
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    return _mm256_castsi256_si128(p);
+}
+
+/* a tile row's 8 floats at C + at (element type ct) */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void avx2_put(__m256 v, void *C, int64_t at, int accumulate, int ct) {
+    if (ct != COMERA_DT_F32) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)C + at), avx2_narrow(v, ct));
+        return;
+    }
+    float *c = (float *)C + at;
+    if (accumulate == COMERA_GEMM_ADD) v = _mm256_add_ps(v, _mm256_loadu_ps(c));
+    _mm256_storeu_ps(c, v);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void widen_avx2(int dt, const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        __m256 v = dt == COMERA_DT_F16
+                       ? _mm256_cvtph_ps(h)
+                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_storeu_ps(dst + i, v);
+    }
+    for (; i < n; i++) dst[i] = comera_half_to_f32(dt, src[i]);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void pack_half_avx2(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
+                           float *packed) {
+    int64_t whole = N - N % NR;
+    for (int64_t j0 = 0; j0 < whole; j0 += NR) {
+        float *dst = packed + j0 * K;
+        for (int64_t k = 0; k < K; k++) widen_avx2(dt, B + k * ldb + j0, dst + k * NR, NR);
+    }
+    if (whole < N) pack_half_panel(dt, K, N - whole, B + whole, ldb, packed + whole * K);
+}
+
 #define AVX2_MR 6
 /* The AVX2 tile for ROWS rows of A: 2 x ROWS ymm accumulators.  Always
  * inlined with constant ROWS, so each caller below is its own fully
  * unrolled tile. */
-__attribute__((target("avx2,fma"), always_inline))
+__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, int64_t csa,
-                             const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                             int accumulate) {
+                             const float *Bp, void *C, int64_t ldc, int mr, int nr,
+                             int accumulate, int ct) {
     const float *a[AVX2_MR];
     row_pointers(a, ROWS, A, rsa, mr);
     __m256 c0[AVX2_MR], c1[AVX2_MR];
@@ -94,26 +180,24 @@ static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, i
             c1[i] = _mm256_fmadd_ps(s, b1, c1[i]);
         }
     }
-    /* a row of the tile is one whole 64-byte line when C and ldc are aligned */
+    /* a float32 row of the tile is one whole 64-byte line when C and ldc
+     * are aligned */
     uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * (int64_t)sizeof(float));
-    if (mr == ROWS && nr == NR && accumulate == COMERA_GEMM_STREAM && rows % 64 == 0) {
+    if (mr == ROWS && nr == NR && accumulate == COMERA_GEMM_STREAM && rows % 64 == 0 &&
+        ct == COMERA_DT_F32) {
+        float *Cf = C;
 #pragma GCC unroll 6
         for (int i = 0; i < ROWS; i++) {
-            _mm256_stream_ps(C + i * ldc, c0[i]);
-            _mm256_stream_ps(C + i * ldc + 8, c1[i]);
+            _mm256_stream_ps(Cf + i * ldc, c0[i]);
+            _mm256_stream_ps(Cf + i * ldc + 8, c1[i]);
         }
         return;
     }
     if (mr == ROWS && nr == NR) {
 #pragma GCC unroll 6
         for (int i = 0; i < ROWS; i++) {
-            float *c = C + i * ldc;
-            if (accumulate == COMERA_GEMM_ADD) {
-                c0[i] = _mm256_add_ps(c0[i], _mm256_loadu_ps(c));
-                c1[i] = _mm256_add_ps(c1[i], _mm256_loadu_ps(c + 8));
-            }
-            _mm256_storeu_ps(c, c0[i]);
-            _mm256_storeu_ps(c + 8, c1[i]);
+            avx2_put(c0[i], C, i * ldc, accumulate, ct);
+            avx2_put(c1[i], C, i * ldc + 8, accumulate, ct);
         }
         return;
     }
@@ -123,19 +207,67 @@ static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, i
         _mm256_storeu_ps(tile + i * NR, c0[i]);
         _mm256_storeu_ps(tile + i * NR + 8, c1[i]);
     }
-    store_partial(tile, NR, mr, nr, C, ldc, accumulate);
+    store_partial(tile, NR, mr, nr, C, ldc, accumulate, ct);
 }
 
 /* Up to 6 rows; the last rows of a product run on a 4- or 2-row form (the
  * weight-gradient products have M = rank or rank + 1 rows: 31 = 5 x 6 + 1,
  * whose last row would cost a whole 6-row tile). */
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                      const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                      int accumulate) {
-    if (mr > 4) avx2_rows(6, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
-    else if (mr > 2) avx2_rows(4, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
-    else avx2_rows(2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+                      const float *Bp, void *C, int64_t ldc, int mr, int nr,
+                      int accumulate, int ct) {
+    if (mr > 4) avx2_rows(6, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+    else if (mr > 2) avx2_rows(4, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+    else avx2_rows(2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+}
+
+/* 16 floats to 16 bfloat16 / float16 values, rounded to nearest even */
+__attribute__((target("avx512f"), always_inline))
+static inline __m256i avx512_narrow(__m512 v, int ct) {
+    if (ct == COMERA_DT_F16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* a tile row's 16 floats at C + at (element type ct) */
+__attribute__((target("avx512f"), always_inline))
+static inline void avx512_put(__m512 v, void *C, int64_t at, int accumulate, int ct) {
+    if (ct != COMERA_DT_F32) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)C + at), avx512_narrow(v, ct));
+        return;
+    }
+    float *c = (float *)C + at;
+    if (accumulate == COMERA_GEMM_ADD) v = _mm512_add_ps(v, _mm512_loadu_ps(c));
+    _mm512_storeu_ps(c, v);
+}
+
+__attribute__((target("avx512f")))
+static void widen_avx512(int dt, const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m512 v = dt == COMERA_DT_F16
+                       ? _mm512_cvtph_ps(h)
+                       : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm512_storeu_ps(dst + i, v);
+    }
+    for (; i < n; i++) dst[i] = comera_half_to_f32(dt, src[i]);
+}
+
+__attribute__((target("avx512f")))
+static void pack_half_avx512(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
+                             float *packed) {
+    int64_t whole = N - N % NR;
+    for (int64_t j0 = 0; j0 < whole; j0 += NR) {
+        float *dst = packed + j0 * K;
+        for (int64_t k = 0; k < K; k++) widen_avx512(dt, B + k * ldb + j0, dst + k * NR, NR);
+    }
+    if (whole < N) pack_half_panel(dt, K, N - whole, B + whole, ldb, packed + whole * K);
 }
 
 #define AVX512_MR 12
@@ -144,8 +276,8 @@ static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
  * PANELS, so each caller below is its own fully unrolled tile. */
 __attribute__((target("avx512f"), always_inline))
 static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, int64_t rsa,
-                               int64_t csa, const float *Bp, float *C, int64_t ldc, int mr,
-                               int nr, int accumulate) {
+                               int64_t csa, const float *Bp, void *C, int64_t ldc, int mr,
+                               int nr, int accumulate, int ct) {
     const float *a[AVX512_MR];
     row_pointers(a, ROWS, A, rsa, mr);
     const float *B1 = Bp + K * NR;
@@ -163,27 +295,35 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
             if (PANELS == 2) c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
         }
     }
-    /* streaming stores write whole aligned lines without reading them first */
-    uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * (int64_t)sizeof(float));
+    /* streaming stores write whole aligned lines without reading them
+     * first: a float32 row of one panel, a 16-bit row of two */
+    int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
+    uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * esize);
     int stream = accumulate == COMERA_GEMM_STREAM && rows % 64 == 0;
-    if (mr == ROWS && nr == PANELS * NR && stream) {
+    if (mr == ROWS && nr == PANELS * NR && stream && ct == COMERA_DT_F32) {
+        float *Cf = C;
 #pragma GCC unroll 12
         for (int i = 0; i < ROWS; i++) {
-            _mm512_stream_ps(C + i * ldc, c0[i]);
-            if (PANELS == 2) _mm512_stream_ps(C + i * ldc + NR, c1[i]);
+            _mm512_stream_ps(Cf + i * ldc, c0[i]);
+            if (PANELS == 2) _mm512_stream_ps(Cf + i * ldc + NR, c1[i]);
+        }
+        return;
+    }
+    if (mr == ROWS && nr == PANELS * NR && stream && PANELS == 2) {
+        uint16_t *Ch = C;
+#pragma GCC unroll 12
+        for (int i = 0; i < ROWS; i++) {
+            __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(avx512_narrow(c0[i], ct)),
+                                              avx512_narrow(c1[i], ct), 1);
+            _mm512_stream_si512((void *)(Ch + i * ldc), line);
         }
         return;
     }
     if (mr == ROWS && nr == PANELS * NR) {
-        int add = accumulate == COMERA_GEMM_ADD;
 #pragma GCC unroll 12
         for (int i = 0; i < ROWS; i++) {
-            float *ci = C + i * ldc;
-            if (add) c0[i] = _mm512_add_ps(c0[i], _mm512_loadu_ps(ci));
-            _mm512_storeu_ps(ci, c0[i]);
-            if (PANELS == 1) continue;
-            if (add) c1[i] = _mm512_add_ps(c1[i], _mm512_loadu_ps(ci + NR));
-            _mm512_storeu_ps(ci + NR, c1[i]);
+            avx512_put(c0[i], C, i * ldc, accumulate, ct);
+            if (PANELS == 2) avx512_put(c1[i], C, i * ldc + NR, accumulate, ct);
         }
         return;
     }
@@ -193,7 +333,7 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
         _mm512_storeu_ps(tile + i * 2 * NR, c0[i]);
         if (PANELS == 2) _mm512_storeu_ps(tile + i * 2 * NR + NR, c1[i]);
     }
-    store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate);
+    store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate, ct);
 }
 
 /* Up to 12 rows and 32 columns (columns 16..31 from the next panel, Bp +
@@ -202,38 +342,45 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
  * rows (17 would cost 24 rows of 12-row tiles, 20 with 12 + 8). */
 __attribute__((target("avx512f")))
 static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                        const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                        int accumulate) {
+                        const float *Bp, void *C, int64_t ldc, int mr, int nr,
+                        int accumulate, int ct) {
     int panels = nr <= NR ? 1 : 2;
     if (mr > 8) {
-        if (panels == 1) avx512_rows(12, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
-        else avx512_rows(12, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        if (panels == 1) avx512_rows(12, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+        else avx512_rows(12, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
     } else if (mr > 4) {
-        if (panels == 1) avx512_rows(8, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
-        else avx512_rows(8, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        if (panels == 1) avx512_rows(8, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+        else avx512_rows(8, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
     } else {
-        if (panels == 1) avx512_rows(4, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
-        else avx512_rows(4, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate);
+        if (panels == 1) avx512_rows(4, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+        else avx512_rows(4, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
     }
 }
 #endif
 
 /* Best first: the automatic choice is the first one the CPU runs. */
 static const comera_gemm_variant VARIANTS[] = {
-#ifdef COMERA_X86_VARIANTS
-    {"avx512", AVX512_MR, 2 * NR, tile_avx512, NULL},
-    {"avx2", AVX2_MR, NR, tile_avx2, comera_dot_avx2_f32},
+#ifdef COMERA_AMX_VARIANT
+    {"amx", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512, 1},
 #endif
-    {"generic", GENERIC_MR, NR, tile_generic, NULL},
+#ifdef COMERA_X86_VARIANTS
+    {"avx512", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512,
+     0},
+    {"avx2", "avx2", AVX2_MR, NR, tile_avx2, comera_dot_avx2_f32, widen_avx2, pack_half_avx2, 0},
+#endif
+    {"generic", "generic", GENERIC_MR, NR, tile_generic, NULL, widen_generic, pack_half_generic,
+     0},
 };
 #define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 
 static int cpu_runs(const comera_gemm_variant *v) {
 #ifdef COMERA_X86_VARIANTS
     __builtin_cpu_init();
+    if (v->amx) return comera_amx_usable();
     if (strcmp(v->name, "avx512") == 0) return __builtin_cpu_supports("avx512f");
     if (strcmp(v->name, "avx2") == 0)
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
 #endif
     return strcmp(v->name, "generic") == 0;
 }
@@ -241,7 +388,7 @@ static int cpu_runs(const comera_gemm_variant *v) {
 /* COMERA_ISA unset, empty or "auto": the best variant the CPU runs.  A name
  * the CPU cannot run, or not built, or unknown: a warning on stderr and the
  * automatic choice (a typo must not stop a training run; tests check the
- * variant they asked for with comera_gemm_isa()). */
+ * variant they asked for with comera_gemm_variant_name()). */
 static const comera_gemm_variant *choose_variant(void) {
     const comera_gemm_variant *best = &VARIANTS[NVARIANTS - 1];
     for (int i = NVARIANTS - 1; i >= 0; i--)
@@ -251,12 +398,13 @@ static const comera_gemm_variant *choose_variant(void) {
     for (int i = 0; i < NVARIANTS; i++)
         if (strcmp(want, VARIANTS[i].name) == 0) {
             if (cpu_runs(&VARIANTS[i])) return &VARIANTS[i];
-            fprintf(stderr, "comera: COMERA_ISA=%s: this CPU cannot run it; using %s\n",
-                    want, best->name);
+            fprintf(stderr, "comera: COMERA_ISA=%s: this CPU cannot run it; using %s%s\n",
+                    want, best->f32, best->amx ? " with AMX for bfloat16" : "");
             return best;
         }
-    fprintf(stderr, "comera: COMERA_ISA=%s is not one of avx512, avx2, generic, auto "
-            "(or not built here); using %s\n", want, best->name);
+    fprintf(stderr, "comera: COMERA_ISA=%s is not one of amx, avx512, avx2, generic, auto "
+            "(or not built here); using %s%s\n", want, best->f32,
+            best->amx ? " with AMX for bfloat16" : "");
     return best;
 }
 
@@ -306,7 +454,17 @@ void comera_copy_f64(double *dst, const double *src, int64_t n, int mode) {
 }
 
 const char *comera_gemm_isa(void) {
+    return comera_gemm_variant_in_use()->f32;
+}
+
+const char *comera_gemm_variant_name(void) {
     return comera_gemm_variant_in_use()->name;
+}
+
+const char *comera_gemm_isa_for(int dtype) {
+    const comera_gemm_variant *v = comera_gemm_variant_in_use();
+    if (dtype == COMERA_DT_F64) return "generic";
+    return dtype == COMERA_DT_BF16 ? v->name : v->f32;
 }
 
 int comera_gemm_isa_available(const char *name) {

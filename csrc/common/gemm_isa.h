@@ -1,7 +1,9 @@
-/* The float32 micro-kernel variants of common/gemm.c and the one choice among
- * them (internal to csrc).  A tile computes C[0..mr) x [0..nr) (+)= A * Bp
- * for packed 16-column panels from Bp on, mr <= the variant's rows, nr <= its
- * columns (16, or 32 for a variant that reads two adjacent panels).
+/* The micro-kernel variants of common/gemm.c and common/gemm_half.c and
+ * the one choice among them (internal to csrc).  A float32 tile computes
+ * C[0..mr) x [0..nr) (+)= A * Bp for packed 16-column panels from Bp on,
+ * mr <= the variant's rows, nr <= its columns (16, or 32 for a variant that
+ * reads two adjacent panels), and writes C as float32 or, converted in
+ * registers, as bfloat16 / float16 (ct, comera/dtype.h).
  * The variant is chosen once per process (common/gemm_isa.c): the best one
  * the CPU runs, or the one COMERA_ISA names (docs/design.md section 5). */
 #ifndef COMERA_GEMM_ISA_H
@@ -16,25 +18,70 @@
 #define COMERA_X86_VARIANTS 1
 #endif
 
+/* The AMX variant needs a compiler that knows the AMX and AVX512-BF16
+ * instructions (GCC 12, clang 14); an older one builds the others. */
+#if defined(COMERA_X86_VARIANTS) && \
+    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 12))
+#define COMERA_AMX_VARIANT 1
+#endif
+
+/* C has elements of type ct (COMERA_DT_F32, _BF16 or _F16), ldc counted in
+ * them; accumulate (COMERA_GEMM_ADD) only for float32. */
 typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                                const float *Bp, float *C, int64_t ldc, int mr, int nr,
-                                int accumulate);
+                                const float *Bp, void *C, int64_t ldc, int mr, int nr,
+                                int accumulate, int ct);
+
+/* dst[0..n) = src[0..n) widened from bfloat16 or float16 (dt) to float32. */
+typedef void (*comera_widen_fn)(int dt, const uint16_t *src, float *dst, int64_t n);
+
+/* B (K x N of type dt, row-major, row stride ldb) widened into float32
+ * panels, the layout of comera_gemm_pack_b_f32. */
+typedef void (*comera_pack_half_fn)(int dt, int64_t K, int64_t N, const uint16_t *B,
+                                    int64_t ldb, float *packed);
 
 typedef void (*comera_dot_f32)(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                                const float *Bt, int64_t ldb, float *C, int64_t ldc,
                                float *Apack);
 
 typedef struct comera_gemm_variant {
-    const char *name; /* "avx512", "avx2" or "generic" */
+    const char *name; /* "amx", "avx512", "avx2" or "generic" */
+    const char *f32;  /* the float32 tile's own name ("avx512" for amx) */
     int mr;           /* rows of A per tile */
     int nr;           /* columns per tile: a multiple of COMERA_GEMM_NR */
     comera_tile_f32 tile;
     comera_dot_f32 dot; /* common/gemm_dot.c, or NULL: a plain loop, never chosen */
+    comera_widen_fn widen;
+    comera_pack_half_fn pack_half;
+    int amx; /* bfloat16 products on AMX tiles (common/gemm_amx.c) */
 } comera_gemm_variant;
 
 /* The AVX2 dot-product kernel (common/gemm_dot.c). */
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
+
+/* The AMX side (common/gemm_amx.c).  comera_amx_usable: the CPU has AMX-BF16
+ * and AVX512-BF16 and Linux lets this process use the tile registers (asked
+ * once).  The bfloat16 product: C (M x N; float32, or bfloat16 with ct)
+ * (+)= A Bp, A bfloat16 row-major (row stride lda, K contiguous), Bp packed
+ * by comera_amx_pack_* in bfloat16 pairs (docs/design.md section 5). */
+int comera_amx_usable(void);
+int64_t comera_amx_packed_bytes(int64_t K, int64_t N);
+void comera_amx_pack_f32(int64_t K, int64_t N, const float *B, int64_t rsb, int64_t csb,
+                         uint16_t *packed);
+void comera_amx_pack_bf16(int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
+                          uint16_t *packed);
+void comera_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                     const uint16_t *Bp, void *C, int ct, int64_t ldc, int mode);
+
+/* The tile loops of the packed products (common/gemm.c): C (M x N, element
+ * type ct) = A Bp (or += under COMERA_GEMM_ADD) on the variant's float32
+ * tiles, Bp packed as float32 panels.  A float32 A (at COMERA_DT_F32) is
+ * read in place through its strides; a 16-bit one (at COMERA_DT_BF16 or
+ * _F16, row-major: csa 1) is widened a row group at a time into scratch
+ * (mr x K floats). */
+void comera_gemm_tiles(int64_t M, int64_t N, int64_t K, int at, const void *A, int64_t rsa,
+                       int64_t csa, const float *Bp, void *C, int ct, int64_t ldc, int mode,
+                       float *scratch);
 
 /* The variant in use; the first call decides, later calls return the same. */
 const comera_gemm_variant *comera_gemm_variant_in_use(void);

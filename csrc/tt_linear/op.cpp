@@ -6,7 +6,7 @@
 //
 // Each op call: check the tensors and prepare once (prepare_linear), allocate
 // the outputs, then call the kernel of the tensors' device: the C kernels
-// (cpu_f32.c, cpu_f64.c) on the CPU, the CUDA launchers (cuda.cu) on torch's current stream
+// (cpu_f32.c, cpu_f64.c, cpu_half.c) on the CPU, the CUDA launchers (cuda.cu) on torch's current stream
 // with the extension's cuBLAS handle for that stream.  The CUDA path never
 // synchronises with the host, so both ops can be captured in a CUDA graph.
 #include <optional>
@@ -32,17 +32,22 @@ struct LinearCall {
     std::vector<int64_t> in_modes, out_modes, ranks;
     comera_tt_linear_desc d{};
     comera_tt_linear_prep prep{};
-    ScalarType dtype;
+    ScalarType dtype;   // x's, y's, t's
+    ScalarType param;   // the cores', gates' and bias's: dtype, or float32
+                        // with 16-bit x on the CPU (a float32 layer under autocast)
     Device device;
     int32_t dtype_id;   // glue.h: cheap equality checks against x's
+    int32_t param_id;
     int64_t device_id;
     LinearCall(const Tensor &x_in, std::vector<Tensor> &&cores_in, std::vector<Tensor> &&gates_in)
         : x(as_contiguous(x_in)),
           cores(std::move(cores_in)),
           gates(std::move(gates_in)),
           dtype(x_in.scalar_type()),
+          param(dtype),
           device(x_in.device()),
           dtype_id(comera_glue::dtype_id(x_in)),
+          param_id(dtype_id),
           device_id(comera_glue::device_id(x_in)) {
         make_contiguous(cores);
         make_contiguous(gates);
@@ -51,7 +56,23 @@ struct LinearCall {
     bool like_x(const Tensor &t) const {
         return comera_glue::dtype_id(t) == dtype_id && comera_glue::device_id(t) == device_id;
     }
+    bool like_param(const Tensor &t) const {
+        return comera_glue::dtype_id(t) == param_id && comera_glue::device_id(t) == device_id;
+    }
+    bool half() const { return dtype == ScalarType::BFloat16 || dtype == ScalarType::Half; }
 };
+
+// A 16-bit x on the CPU may come with float32 parameters (autocast keeps a
+// float32 layer's parameters); everything else has one dtype.
+inline void set_param_dtype(const char *op, LinearCall &c) {
+    if (c.cores.empty() || !c.half() || is_cuda(c.device)) return;
+    const Tensor &core = c.cores[0];
+    if (core.scalar_type() != ScalarType::Float) return;
+    COMERA_CHECK(comera_glue::device_id(core) == c.device_id, op,
+                 ": core 0 must match x in dtype and device");
+    c.param = ScalarType::Float;
+    c.param_id = comera_glue::dtype_id(core);
+}
 
 inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
     int64_t D = static_cast<int64_t>(c.cores.size());
@@ -68,7 +89,9 @@ inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
         COMERA_CHECK(cs.size() == 3, op, ": core ", k, " must be 3-D");
         COMERA_CHECK(cs[0] == c.ranks.back(), op, ": core ", k, " has left rank ", cs[0],
                      ", expected ", c.ranks.back());
-        COMERA_CHECK(c.like_x(core), op, ": core ", k, " must match x in dtype and device");
+        COMERA_CHECK(c.like_param(core), op, ": core ", k,
+                     " must match x in dtype and device (or be float32 with a 16-bit x on the "
+                     "CPU, like every core)");
         (k < num_in ? c.in_modes : c.out_modes).push_back(cs[1]);
         c.ranks.push_back(cs[2]);
         if (k == D - 1) continue;
@@ -76,20 +99,15 @@ inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
         const IntHeaderOnlyArrayRef gs = g.sizes();
         COMERA_CHECK(gs.size() == 1 && gs[0] == cs[2], op, ": gate ", k, " must have shape (",
                      cs[2], ",)");
-        COMERA_CHECK(c.like_x(g), op, ": gate ", k, " must match x in dtype and device");
+        COMERA_CHECK(c.like_param(g), op, ": gate ", k, " must match the cores in dtype and device");
     }
     COMERA_CHECK(c.ranks.back() == 1, op, ": last core must have right rank 1");
 }
 
-// float32/float64 on the CPU; CUDA also takes bfloat16 and float16.
-void check_dtype(const char *op, ScalarType dtype, const Device &device) {
-    if (is_cuda(device)) {
-        COMERA_CHECK(dtype_code(dtype) >= 0, op,
-                     ": x must be float32, float64, bfloat16 or float16 on CUDA, got ", dtype);
-        return;
-    }
-    COMERA_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double, op,
-                 ": x must be float32 or float64, got ", dtype);
+// float32, float64, bfloat16 or float16 on the CPU and on CUDA.
+void check_dtype(const char *op, ScalarType dtype, const Device &) {
+    COMERA_CHECK(dtype_code(dtype) >= 0, op,
+                 ": x must be float32, float64, bfloat16 or float16, got ", dtype);
 }
 
 // Checks x (dtype for its device), the cores and gates and `path`, then
@@ -102,6 +120,7 @@ inline LinearCall prepare_linear(const char *op, const Tensor &x, std::vector<Te
     COMERA_CHECK(path >= COMERA_PATH_AUTO && path <= COMERA_PATH_SEQUENTIAL, op,
                  ": path must be 0 (auto), 1 (merge) or 2 (sequential), got ", path);
     LinearCall c(x, std::move(cores), std::move(gates));
+    set_param_dtype(op, c);
     describe_cores(op, c, num_in);
     c.d.num_in = static_cast<int32_t>(num_in);
     c.d.num_out = static_cast<int32_t>(c.cores.size() - num_in);
@@ -121,8 +140,8 @@ inline std::optional<Tensor> check_bias(const char *op, const LinearCall &c,
                                         const std::optional<Tensor> &bias) {
     if (!bias.has_value()) return std::nullopt;
     int64_t out = c.d.out_features;
-    COMERA_CHECK(bias->dim() == 1 && bias->size(0) == out && c.like_x(*bias),
-                 op, ": bias must be a (", out, ",) tensor of ", c.dtype, " on ",
+    COMERA_CHECK(bias->dim() == 1 && bias->size(0) == out && c.like_param(*bias),
+                 op, ": bias must be a (", out, ",) tensor of ", c.param, " on ",
                  device_name(c.device));
     return as_contiguous(*bias);
 }
@@ -148,7 +167,7 @@ inline LinearGrads empty_linear_grads(const LinearCall &c, bool has_bias, bool n
     return LinearGrads{
         needs_input_grad ? empty({c.x.size(0), c.x.size(1)}, c.dtype, c.device)
                          : empty({0}, c.dtype, c.device),
-        empty({has_bias ? c.d.out_features : 0}, c.dtype, c.device),
+        empty({has_bias ? c.d.out_features : 0}, c.param, c.device),
         empty_like_all(c.cores),
         empty_like_all(c.gates),
     };
@@ -186,6 +205,26 @@ int backward_cpu(const LinearCall &c, const Tensor &gy, const Tensor &t, LinearG
         return comera_tt_linear_bwd_f64(&c.prep, ptr<T>(gy), ptr<T>(c.x), ptr<T>(t),
                                         cores.data(), gates.data(), dx, dc.data(), dg.data(), db,
                                         nt);
+}
+
+// bfloat16 and float16 (cpu_half.c): parameters of c.param
+int forward_cpu_half(const LinearCall &c, const std::optional<Tensor> &bias, const Tensor &y,
+                     const Tensor &t) {
+    auto cores = data_ptrs<void>(c.cores), gates = data_ptrs<void>(c.gates);
+    return comera_tt_linear_fwd_half(&c.prep, dtype_code(c.dtype), dtype_code(c.param),
+                                     c.x.data_ptr(), cores.data(), gates.data(),
+                                     bias ? bias->data_ptr() : nullptr, y.data_ptr(),
+                                     t.data_ptr(), num_threads());
+}
+
+int backward_cpu_half(const LinearCall &c, const Tensor &gy, const Tensor &t, LinearGrads &g,
+                      bool has_bias, bool needs_input_grad) {
+    auto cores = data_ptrs<void>(c.cores), gates = data_ptrs<void>(c.gates);
+    auto dc = mutable_data_ptrs<void>(g.gcores), dg = mutable_data_ptrs<void>(g.ggates);
+    return comera_tt_linear_bwd_half(
+        &c.prep, dtype_code(c.dtype), dtype_code(c.param), gy.data_ptr(), c.x.data_ptr(),
+        t.data_ptr(), cores.data(), gates.data(), needs_input_grad ? g.gx.data_ptr() : nullptr,
+        dc.data(), dg.data(), has_bias ? g.gb.data_ptr() : nullptr, num_threads());
 }
 
 // ---- CUDA launchers (cuda.cu)
@@ -251,9 +290,10 @@ std::tuple<Tensor, Tensor> tt_linear(Tensor x, std::vector<Tensor> cores,
     Tensor y = empty({batch, out_features}, c.dtype, c.device);
     Tensor t = empty({batch, c.rmid()}, c.dtype, c.device);
     if (batch == 0) return {y, t};
-    int rc = is_cuda(c.device) ? forward_cuda(op, c, bias, y, t)
-             : c.dtype == ScalarType::Float ? forward_cpu<float>(c, bias, y, t)
-                                            : forward_cpu<double>(c, bias, y, t);
+    int rc = is_cuda(c.device)                ? forward_cuda(op, c, bias, y, t)
+             : c.half()                       ? forward_cpu_half(c, bias, y, t)
+             : c.dtype == ScalarType::Float   ? forward_cpu<float>(c, bias, y, t)
+                                              : forward_cpu<double>(c, bias, y, t);
     check_status(rc, op);
     return {y, t};
 }
@@ -269,6 +309,7 @@ std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, Tensor> tt_linear_b
     check_backward_inputs(op, c, gy, t);
     LinearGrads g = empty_linear_grads(c, has_bias, needs_input_grad);
     int rc = is_cuda(c.device) ? backward_cuda(op, c, gy, t, g, has_bias, needs_input_grad)
+             : c.half()        ? backward_cpu_half(c, gy, t, g, has_bias, needs_input_grad)
              : c.dtype == ScalarType::Float
                  ? backward_cpu<float>(c, gy, t, g, has_bias, needs_input_grad)
                  : backward_cpu<double>(c, gy, t, g, has_bias, needs_input_grad);
@@ -278,7 +319,7 @@ std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>, Tensor> tt_linear_b
 
 Tensor tt_linear_plan(std::vector<int64_t> in_modes, std::vector<int64_t> out_modes,
                       std::vector<int64_t> ranks, int64_t in_features, int64_t out_features,
-                      int64_t batch) {
+                      int64_t batch, int64_t dtype, int64_t threads) {
     const char *op = "comera::tt_linear_plan";
     COMERA_CHECK(ranks.size() == in_modes.size() + out_modes.size() + 1, op,
                  ": ranks must have len(in_modes) + len(out_modes) + 1 entries");
@@ -291,14 +332,17 @@ Tensor tt_linear_plan(std::vector<int64_t> in_modes, std::vector<int64_t> out_mo
     d.in_features = in_features;
     d.out_features = out_features;
     comera_tt_linear_plan plan;
-    int rc = comera_tt_linear_make_plan(&d, batch, &plan);
+    COMERA_CHECK(dtype >= COMERA_DT_F32 && dtype <= COMERA_DT_F16, op,
+                 ": dtype must be a COMERA_DT_* code (0..3), got ", dtype);
+    int nt = threads > 0 && threads < (1 << 20) ? static_cast<int>(threads) : 1;
+    int rc = comera_tt_linear_plan_for(&d, batch, static_cast<int>(dtype), nt, &plan);
     check_status(rc, op, [&](int) {
         return str(": in_modes ", list_text(in_modes), ", out_modes ", list_text(out_modes),
                    ", ranks ", list_text(ranks), ", in_features ", in_features,
                    ", out_features ", out_features, " and batch ", batch,
                    rc == COMERA_ERR_OVERFLOW ? " give sizes that overflow int64" : "");
     });
-    Tensor out = empty({7}, ScalarType::Double, Device(torch::headeronly::DeviceType::CPU));
+    Tensor out = empty({10}, ScalarType::Double, Device(torch::headeronly::DeviceType::CPU));
     double *o = ptr<double>(out);
     o[0] = plan.path;
     for (int p = 1; p <= 2; p++) {
@@ -306,6 +350,9 @@ Tensor tt_linear_plan(std::vector<int64_t> in_modes, std::vector<int64_t> out_mo
         o[3 * p - 1] = plan.bytes[p];
         o[3 * p] = plan.seconds[p];
     }
+    o[7] = plan.kernel;
+    o[8] = plan.dtype;
+    o[9] = plan.threads;
     return out;
 }
 

@@ -3,6 +3,7 @@
  * of them once per call for the CPU kernels (cpu_f32.c, cpu_f64.c) and the
  * CUDA launchers (cuda.cu).  The math is in docs/design.md section 2. */
 #include "tt_linear/shape.h"
+#include "common/gemm.h"
 
 #include <string.h>
 
@@ -118,6 +119,18 @@ int64_t comera_tt_row_block(const tt_shape *s) {
     return rb - rb % 12;
 }
 
+int64_t comera_tt_row_block_half(const tt_shape *s) {
+    /* a block of the wider of x and dy, and its packed copy, stay in L2
+     * with the weight-gradient accumulators (about 1.5 MB at 768 -> 3072);
+     * the AMX weight-gradient products load and store their accumulators
+     * once per block, so fewer, taller blocks where rows are narrow */
+    int64_t wide = s->in > s->out ? s->in : s->out;
+    int64_t rb = (384 * 1024) / (2 * wide);
+    if (rb > 256) rb = 256;
+    rb -= rb % 32;
+    return rb < 32 ? 32 : rb;
+}
+
 /* Batch-dependent sizes: x or y rows and the t rows, in bytes. */
 static int check_batch(const tt_shape *s, int64_t batch) {
     if (batch < 0) return COMERA_ERR_ARG;
@@ -128,22 +141,32 @@ static int check_batch(const tt_shape *s, int64_t batch) {
     return COMERA_OK;
 }
 
+/* The path rule's model (docs/design.md section 5): a two-core
+ * calibration, float32 elements; the sequential path's per-row products run
+ * at a fraction of the packed kernel's rate. */
 #define FLOPS_PER_S 1e11
 #define BYTES_PER_S 2e10
 #define SEQ_EFFICIENCY 0.15
 
-static void plan_from_shape(const tt_shape *s, int64_t batch, comera_tt_linear_plan *plan) {
+/* FLOPs and bytes of both paths, with act-byte activations (x, y, dy, dx,
+ * t) and work-byte cores and merges. */
+static void plan_costs(const tt_shape *s, int64_t batch, double act, double work,
+                       comera_tt_linear_plan *plan) {
     double B = (double)batch, in = (double)s->in, out = (double)s->out, rm = (double)s->rmid;
     double cores = (double)s->core_off[s->D];
-    double io = 4.0 * (3.0 * B * in + 2.0 * B * out + 2.0 * B * rm + 4.0 * cores);
+    double io = act * (3.0 * B * in + 2.0 * B * out + 2.0 * B * rm) + work * 4.0 * cores;
     memset(plan, 0, sizeof *plan);
     /* forward builds V, U; backward rebuilds them and runs two products per
      * merge step to get the core gradients */
     plan->flops[COMERA_PATH_MERGE] = 6.0 * B * rm * (in + out) + 4.0 * s->merge_flops;
-    plan->bytes[COMERA_PATH_MERGE] = io + 4.0 * 4.0 * (double)s->P_off[s->D];
+    plan->bytes[COMERA_PATH_MERGE] = io + work * 4.0 * (double)s->P_off[s->D];
     /* forward, recomputed forward, then two products per step backward */
     plan->flops[COMERA_PATH_SEQUENTIAL] = 4.0 * B * s->seq_row_flops;
     plan->bytes[COMERA_PATH_SEQUENTIAL] = io;
+}
+
+static void plan_from_shape(const tt_shape *s, int64_t batch, comera_tt_linear_plan *plan) {
+    plan_costs(s, batch, 4.0, 4.0, plan);
     for (int path = 1; path <= 2; path++) {
         double eff = path == COMERA_PATH_MERGE ? 1.0 : SEQ_EFFICIENCY;
         double tf = plan->flops[path] / (eff * FLOPS_PER_S);
@@ -153,6 +176,56 @@ static void plan_from_shape(const tt_shape *s, int64_t batch, comera_tt_linear_p
     plan->path = plan->seconds[COMERA_PATH_SEQUENTIAL] < plan->seconds[COMERA_PATH_MERGE]
                      ? COMERA_PATH_SEQUENTIAL
                      : COMERA_PATH_MERGE;
+}
+
+/* The micro-kernel that runs products of dtype in this process. */
+static int kernel_of(int dtype) {
+    const char *name = comera_gemm_isa_for(dtype);
+    if (strcmp(name, "amx") == 0) return COMERA_KERNEL_AMX;
+    if (strcmp(name, "avx512") == 0) return COMERA_KERNEL_AVX512;
+    if (strcmp(name, "avx2") == 0) return COMERA_KERNEL_AVX2;
+    return COMERA_KERNEL_GENERIC;
+}
+
+/* FLOP/s of one core on the merge path's products: measured at 768 -> 3072,
+ * rank 30, 4096 rows on one core of the AVX-512 / AMX Xeon (the avx2 and
+ * generic tiles on the same core; AMX's figure includes its conversions and
+ * packing).  16-bit types on a float32 tile pay for widening their operands. */
+static double kernel_rate(int kernel, int dtype) {
+    if (dtype == COMERA_DT_F64) return 1e10;
+    double rate = kernel == COMERA_KERNEL_AMX      ? 1.4e11
+                  : kernel == COMERA_KERNEL_AVX512 ? 1.4e11
+                  : kernel == COMERA_KERNEL_AVX2   ? 8e10
+                                                   : 2e10;
+    if (kernel == COMERA_KERNEL_AMX && dtype == COMERA_DT_BF16) return 4e11;
+    return dtype == COMERA_DT_F32 ? rate : 0.9 * rate;
+}
+
+int comera_tt_linear_plan_for(const comera_tt_linear_desc *d, int64_t batch, int dtype,
+                              int nthreads, comera_tt_linear_plan *plan) {
+    tt_shape s;
+    int rc = comera_tt_shape_build(d, &s);
+    if (!rc) rc = check_batch(&s, batch);
+    if (!rc && (dtype < COMERA_DT_F32 || dtype > COMERA_DT_F16)) rc = COMERA_ERR_ARG;
+    if (rc) return rc;
+    int half = dtype == COMERA_DT_BF16 || dtype == COMERA_DT_F16;
+    double act = dtype == COMERA_DT_F64 ? 8.0 : half ? 2.0 : 4.0;
+    comera_tt_linear_plan rule;
+    plan_from_shape(&s, batch, &rule);
+    plan_costs(&s, batch, act, act > 4.0 ? 8.0 : 4.0, plan);
+    /* the 16-bit kernels have the merge path only */
+    plan->path = half ? COMERA_PATH_MERGE : rule.path;
+    plan->dtype = dtype;
+    plan->kernel = kernel_of(dtype);
+    plan->threads = nthreads > 0 ? nthreads : 1;
+    double rate = kernel_rate(plan->kernel, dtype) * plan->threads;
+    double bandwidth = plan->threads > 1 ? 2e10 : 1.5e10;
+    for (int path = 1; path <= 2; path++) {
+        double eff = path == COMERA_PATH_MERGE ? 1.0 : SEQ_EFFICIENCY;
+        double tf = plan->flops[path] / (eff * rate), tb = plan->bytes[path] / bandwidth;
+        plan->seconds[path] = tf > tb ? tf : tb;
+    }
+    return COMERA_OK;
 }
 
 int comera_tt_linear_check(const comera_tt_linear_desc *d, int64_t batch) {
@@ -180,10 +253,5 @@ int comera_tt_linear_prepare(const comera_tt_linear_desc *d, int64_t batch, int 
 
 int comera_tt_linear_make_plan(const comera_tt_linear_desc *d, int64_t batch,
                                comera_tt_linear_plan *plan) {
-    tt_shape s;
-    int rc = comera_tt_shape_build(d, &s);
-    if (!rc) rc = check_batch(&s, batch);
-    if (rc) return rc;
-    plan_from_shape(&s, batch, plan);
-    return COMERA_OK;
+    return comera_tt_linear_plan_for(d, batch, COMERA_DT_F32, 1, plan);
 }

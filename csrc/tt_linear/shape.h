@@ -16,4 +16,14 @@ int comera_tt_shape_build(const comera_tt_linear_desc *d, tt_shape *s);
  * in L2 while it is read by the two products that use it. */
 int64_t comera_tt_row_block(const tt_shape *s);
 
+/* The same for the bfloat16 and float16 kernels (cpu_half.c): a multiple
+ * of 32 rows, the AMX tiles' depth in the weight-gradient products. */
+int64_t comera_tt_row_block_half(const tt_shape *s);
+
+/* Both merge chains in float32 from the gated cores (cpu_f32.c), and back
+ * through them: the bfloat16 and float16 kernels build V and U in float32. */
+int comera_tt_merges_f32(const tt_shape *s, const float *eff, float *P);
+int comera_tt_merges_bwd_f32(const tt_shape *s, const float *eff, const float *P, float *dP,
+                             float *deff);
+
 #endif

@@ -15,7 +15,7 @@
 static int isa_guard(const char *binary) {
     const char *want = getenv("COMERA_ISA");
     if (!want || !*want || strcmp(want, "auto") == 0) {
-        printf("%s: micro-kernel variant %s (automatic)\n", binary, comera_gemm_isa());
+        printf("%s: micro-kernel variant %s (automatic)\n", binary, comera_gemm_variant_name());
         return 0;
     }
     if (!comera_gemm_isa_available(want)) {
@@ -23,8 +23,9 @@ static int isa_guard(const char *binary) {
                binary, want);
         return 1;
     }
-    if (strcmp(want, comera_gemm_isa()) != 0) {
-        printf("%s: FAIL: COMERA_ISA=%s but variant %s runs\n", binary, want, comera_gemm_isa());
+    if (strcmp(want, comera_gemm_variant_name()) != 0) {
+        printf("%s: FAIL: COMERA_ISA=%s but variant %s runs\n", binary, want,
+               comera_gemm_variant_name());
         return -1;
     }
     printf("%s: micro-kernel variant %s (forced)\n", binary, want);

@@ -1,8 +1,8 @@
 /* Standalone tests of the comera C kernels (csrc/common, csrc/tt_linear,
  * csrc/gate_prox): GEMM (test_gemm.c), TT linear forward/backward on both
  * paths against the naive dense reference (reference.c), finite
- * differences of the float64 kernel, float32 against float64, descriptor
- * checks and the planner, the gate proximal step (test_rank_adaptive.c),
+ * differences of the float64 kernel, float32 against float64, the bfloat16
+ * and float16 kernels (test_half.c), descriptor checks and the planner, the gate proximal step (test_rank_adaptive.c),
  * the page and output-block helpers (test_pages.c, test_outpool.c).
  * Prints one line per group, then "N passed, M failed"; exits 1 on failure. */
 #include "isa_guard.h"
@@ -376,6 +376,7 @@ static void test_nested(void) {
 }
 
 void test_check_and_plan(void); /* test_check.c */
+void test_half(const tt_case *cases, int ncases); /* test_half.c */
 void test_gate_prox(void);      /* test_rank_adaptive.c */
 void test_pages(void);          /* test_pages.c */
 void test_outpool(void);        /* test_outpool.c */
@@ -386,6 +387,7 @@ int main(void) {
     test_gemm();
     test_check_and_plan();
     for (int ci = 0; ci < NCASES; ci++) test_case(&CASES[ci], 1234 + (uint64_t)ci);
+    test_half(CASES, NCASES);
     test_fd();
     test_nested();
     test_gate_prox();

@@ -28,6 +28,7 @@
 #include "comera/gate_prox.h"
 #include "comera/tt_embedding.h"
 #include "comera/tt_linear.h"
+#include "common/half.h"
 #include "../c/one_call.h"
 #include "fuzz_alloc.h"
 
@@ -288,6 +289,50 @@ static void fuzz_linear(reader *r) {
             if (k < D - 1) free(fg[k]), free(fdg[k]);
         }
         free(fx), free(fy), free(ft), free(fdy);
+    }
+    /* bfloat16 activations with float32 parameters (a float32 layer under
+     * autocast), with the bias and dx: y against float64 within bfloat16's
+     * rounding */
+    if (path >= 0 && path <= 2) {
+        float *fc[COMERA_MAX_CORES], *fg[COMERA_MAX_CORES], *fdc[COMERA_MAX_CORES],
+            *fdg[COMERA_MAX_CORES];
+        for (int k = 0; k < D; k++) {
+            int64_t n = k < p ? in_modes[k] : out_modes[k - p];
+            fc[k] = to_f32(cores[k], rk[k] * n * rk[k + 1]);
+            fdc[k] = to_f32(cores[k], rk[k] * n * rk[k + 1]);
+            if (k < D - 1) fg[k] = to_f32(gates[k], rk[k + 1]), fdg[k] = to_f32(gates[k], rk[k + 1]);
+        }
+        float *fb = to_f32(bias, out_f), *fdb = to_f32(bias, out_f);
+        uint16_t *hx = malloc(2 * (size_t)(batch * in_f + 1)), *hy = malloc(2 * (size_t)(batch * out_f + 1));
+        uint16_t *ht = malloc(2 * (size_t)(batch * rmid + 1)), *hdy = malloc(2 * (size_t)(batch * out_f + 1));
+        uint16_t *hdx = malloc(2 * (size_t)(batch * in_f + 1));
+        for (int64_t i = 0; i < batch * in_f; i++) hx[i] = comera_f32_to_bf16((float)x[i]);
+        for (int64_t i = 0; i < batch * out_f; i++) hdy[i] = comera_f32_to_bf16((float)dy[i]);
+        comera_tt_linear_prep prep;
+        int a = comera_tt_linear_prepare(&d, batch, path, &prep);
+        if (!a)
+            a = comera_tt_linear_fwd_half(&prep, COMERA_DT_BF16, COMERA_DT_F32, hx,
+                                          (const void *const *)fc, (const void *const *)fg, fb,
+                                          hy, ht, nthreads);
+        int b = a ? a
+                  : comera_tt_linear_bwd_half(&prep, COMERA_DT_BF16, COMERA_DT_F32, hdy, hx, ht,
+                                              (const void *const *)fc, (const void *const *)fg,
+                                              hdx, (void *const *)fdc, (void *const *)fdg, fdb,
+                                              nthreads);
+        if (a || b) FAIL("linear bf16: fwd %d bwd %d on a valid problem\n", a, b);
+        double ymax = 0;
+        for (int64_t i = 0; i < batch * out_f; i++)
+            if (fabs(y[0][i]) > ymax) ymax = fabs(y[0][i]);
+        /* x rounded to bfloat16 as well: a few roundings of 2^-9 each */
+        for (int64_t i = 0; i < batch * out_f; i++)
+            if (!(fabs((double)comera_bf16_to_f32(hy[i]) - y[0][i]) <= 5e-2 * (1.0 + ymax)))
+                FAIL("linear bf16: y[%lld] %g vs %g\n", (long long)i,
+                     (double)comera_bf16_to_f32(hy[i]), y[0][i]);
+        for (int k = 0; k < D; k++) {
+            free(fc[k]), free(fdc[k]);
+            if (k < D - 1) free(fg[k]), free(fdg[k]);
+        }
+        free(fb), free(fdb), free(hx), free(hy), free(ht), free(hdy), free(hdx);
     }
     for (int k = 0; k < D; k++) {
         free(cores[k]), free(dcores[0][k]), free(dcores[1][k]);

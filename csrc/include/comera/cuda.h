@@ -9,7 +9,7 @@
  * the device: every launcher only enqueues work on `stream` and can be
  * captured into a CUDA graph.
  *
- * Element types: COMERA_DT_* below.  Reduced precision (bfloat16, float16)
+ * Element types: COMERA_DT_* (comera/dtype.h).  Reduced precision (bfloat16, float16)
  * reads and writes its own type and accumulates in float32; float32
  * accumulates in float32, float64 in float64.
  */
@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "comera/dtype.h"
 #include "comera/gate_prox.h"
 #include "comera/status.h"
 #include "comera/tt_embedding.h"
@@ -30,13 +31,6 @@ extern "C" {
 
 typedef struct CUstream_st *cudaStream_t;
 typedef struct cublasContext *cublasHandle_t;
-
-enum {
-    COMERA_DT_F32 = 0,
-    COMERA_DT_F64 = 1,
-    COMERA_DT_BF16 = 2,
-    COMERA_DT_F16 = 3
-};
 
 /* Errors: comera/status.h (COMERA_ERR_CUDA and the ones after it are the
  * launchers' own).  Every launcher takes a call prepared on the host

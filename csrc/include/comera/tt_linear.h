@@ -26,13 +26,16 @@
  * with FLOPS = 1e11, BANDWIDTH = 2e10 (two-core calibration) and eff = 1 for
  * MERGE, whose batch work runs on the packed micro-kernel, and 0.15 for
  * SEQUENTIAL, whose per-row products are too small for it.  The path with
- * the lower time wins; ties go to MERGE.
+ * the lower time wins; ties go to MERGE.  The time a plan reports
+ * (comera_tt_linear_plan_for) is the same formula at the rates of the kernel
+ * variant that runs the call's dtype, per thread.
  */
 #ifndef COMERA_TT_LINEAR_H
 #define COMERA_TT_LINEAR_H
 
 #include <stdint.h>
 
+#include "comera/dtype.h"
 #include "comera/status.h"
 
 #ifdef __cplusplus
@@ -57,11 +60,23 @@ typedef struct comera_tt_linear_desc {
     int64_t out_features;     /* 1 <= out_features <= prod(out_modes) */
 } comera_tt_linear_desc;
 
+/* The micro-kernel variant that runs a plan's products: the one in use in
+ * this process (COMERA_ISA) for the plan's element type. */
+enum {
+    COMERA_KERNEL_GENERIC = 0,
+    COMERA_KERNEL_AVX2 = 1,
+    COMERA_KERNEL_AVX512 = 2,
+    COMERA_KERNEL_AMX = 3
+};
+
 typedef struct comera_tt_linear_plan {
     int32_t path;     /* COMERA_PATH_MERGE or COMERA_PATH_SEQUENTIAL */
     double flops[3];  /* indexed by path; [0] unused */
     double bytes[3];
-    double seconds[3];
+    double seconds[3]; /* predicted on the plan's kernel and threads */
+    int32_t dtype;    /* COMERA_DT_* the costs are for */
+    int32_t kernel;   /* COMERA_KERNEL_* */
+    int32_t threads;
 } comera_tt_linear_plan;
 
 /* Derived sizes and workspace offsets of a layer, computed once with
@@ -107,7 +122,17 @@ int comera_tt_linear_prepare(const comera_tt_linear_desc *d, int64_t batch, int 
 /* The checks of comera_tt_linear_prepare alone. */
 int comera_tt_linear_check(const comera_tt_linear_desc *d, int64_t batch);
 
-/* Fills *plan for `batch` rows.  Returns COMERA_OK or an error code. */
+/* Fills *plan for `batch` rows of element type dtype (COMERA_DT_*) on
+ * nthreads threads of this CPU: FLOPs and bytes of both paths, the path
+ * (the planner's rule; always MERGE for bfloat16 and float16, whose kernels
+ * have no other), the micro-kernel that runs the products, and the time
+ * predicted at that kernel's measured per-core rate and the machine's
+ * bandwidth: max(flops / rate, bytes / bandwidth).  Returns COMERA_OK or an
+ * error code (COMERA_ERR_ARG for an unknown dtype). */
+int comera_tt_linear_plan_for(const comera_tt_linear_desc *d, int64_t batch, int dtype,
+                              int nthreads, comera_tt_linear_plan *plan);
+
+/* comera_tt_linear_plan_for for float32 on one thread. */
 int comera_tt_linear_make_plan(const comera_tt_linear_desc *d, int64_t batch,
                                comera_tt_linear_plan *plan);
 
@@ -134,6 +159,25 @@ int comera_tt_linear_bwd_f64(const comera_tt_linear_prep *p, const double *dy,
                              const double *x, const double *t, const double *const *cores,
                              const double *const *gates, double *dx, double *const *dcores,
                              double *const *dgates, double *dbias, int nthreads);
+
+/* bfloat16 and float16 (act: COMERA_DT_BF16 or COMERA_DT_F16, comera/dtype.h):
+ * x, y, t, dy and dx of type act; cores, gates, bias and their gradients of
+ * type param, which is act or COMERA_DT_F32 (a float32 layer under
+ * autocast).  Same results as the float32 entry points: V and U are built
+ * in float32 and rounded to act for the batch products, which accumulate in
+ * float32 and round t, y, dx (and the backward's dy U^T) once; the
+ * parameter gradients are summed in float32.  Always the merge path: the
+ * prepared path is not consulted.  Returns COMERA_OK, COMERA_ERR_NOMEM, or
+ * COMERA_ERR_ARG for another pair of types. */
+int comera_tt_linear_fwd_half(const comera_tt_linear_prep *p, int act, int param,
+                              const void *x, const void *const *cores,
+                              const void *const *gates, const void *bias, void *y, void *t,
+                              int nthreads);
+int comera_tt_linear_bwd_half(const comera_tt_linear_prep *p, int act, int param,
+                              const void *dy, const void *x, const void *t,
+                              const void *const *cores, const void *const *gates, void *dx,
+                              void *const *dcores, void *const *dgates, void *dbias,
+                              int nthreads);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,301 @@
+/* TT linear layer, CPU kernels for bfloat16 and float16 activations.
+ *
+ * x, y, t, dy and dx are 16-bit (type h: COMERA_DT_BF16 or COMERA_DT_F16);
+ * the cores, gates and bias, and their gradients, are of type h too, or
+ * float32 (pt): a float32 layer under torch.autocast keeps its parameters
+ * in float32 and gets bfloat16 activations.  Every product accumulates in
+ * float32 and reads and writes the 16-bit tensors where they lie
+ * (common/gemm_half.h): no float32 copy of x, dy, y or dx is made.
+ *
+ * The algorithm is the float32 merge path (cpu_impl.h, docs/design.md
+ * section 2) with its batch products in 16 bits:
+ *   V, U      built in float32 from the gated cores (converted as they are
+ *             read), packed once per call for the 16-bit products
+ *   forward   t = x V (rounded to h: it is the saved output), then
+ *             y = [t 1] [U; bias]
+ *   backward  S = dy U^T (rounded to h), dx = S V^T, [dU; dbias] +=
+ *             [t 1]^T dy and dV^T += S^T x per thread in float32, then
+ *             back through the merges in float32.
+ * The rounding points are the CUDA kernels' (cuda.cu).  Every call takes
+ * the merge path: the sequential path has no 16-bit form (its per-row
+ * products are too small for the 16-bit kernels), and the merge path's
+ * batch-independent work is small beside a call's products. */
+#include "tt_linear/shape.h"
+#include "common/gemm.h"
+#include "common/gemm_half.h"
+#include "common/half.h"
+#include "common/threads.h"
+#include "common/workspace.h"
+
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A parameter element (cores, gates, bias: float32 or type pt) as float32,
+ * and back. */
+static float param_get(const void *p, int pt, int64_t i) {
+    if (pt == COMERA_DT_F32) return ((const float *)p)[i];
+    return comera_half_to_f32(pt, ((const uint16_t *)p)[i]);
+}
+
+static void param_put(void *p, int pt, int64_t i, float v) {
+    if (pt == COMERA_DT_F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = comera_f32_to_half(pt, v);
+}
+
+/* The offsets of consecutive pieces of bytes[i] bytes, each on a 64-byte
+ * boundary, in one block; returns the block's bytes. */
+static int64_t carve_bytes(int count, const int64_t *bytes, int64_t *off) {
+    int64_t end = 0;
+    for (int i = 0; i < count; i++) {
+        off[i] = end;
+        end += (bytes[i] + 63) / 64 * 64;
+    }
+    return end;
+}
+
+/* eff (float32) = core k times its gate on the last rank index, from
+ * parameters of type pt; the last core has no gate. */
+static void eff_from_params(const tt_shape *s, int pt, const void *const *cores,
+                            const void *const *gates, float *eff) {
+    for (int k = 0; k < s->D; k++) {
+        float *e = eff + s->core_off[k];
+        int64_t rows = s->r[k] * s->dims[k], cols = s->r[k + 1];
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < cols; j++) {
+                float g = k == s->D - 1 ? 1.0f : param_get(gates[k], pt, j);
+                e[i * cols + j] = param_get(cores[k], pt, i * cols + j) * g;
+            }
+    }
+}
+
+/* Gradients of the cores and gates (type pt) from d(eff) in float32. */
+static void param_grads(const tt_shape *s, int pt, const void *const *cores,
+                        const void *const *gates, const float *deff, void *const *dcores,
+                        void *const *dgates) {
+    for (int k = 0; k < s->D; k++) {
+        const float *de = deff + s->core_off[k];
+        int64_t rows = s->r[k] * s->dims[k], cols = s->r[k + 1];
+        int gated = k < s->D - 1;
+        for (int64_t j = 0; j < cols; j++) {
+            float g = gated ? param_get(gates[k], pt, j) : 1.0f, dg = 0.0f;
+            for (int64_t i = 0; i < rows; i++) {
+                float d = de[i * cols + j];
+                param_put(dcores[k], pt, i * cols + j, d * g);
+                if (gated) dg += d * param_get(cores[k], pt, i * cols + j);
+            }
+            if (gated) param_put(dgates[k], pt, j, dg);
+        }
+    }
+}
+
+/* Rows [t | 1] of a block in type h, row stride re. */
+static void ones_column(int64_t nr, int64_t rm, const uint16_t *t, uint16_t one, uint16_t *Te) {
+    for (int64_t i = 0; i < nr; i++) {
+        memcpy(Te + i * (rm + 1), t + i * rm, sizeof(uint16_t) * (size_t)rm);
+        Te[i * (rm + 1) + rm] = one;
+    }
+}
+
+/* dst (cols x nr, row stride ld) = src (nr x cols, row stride cols)^T */
+static void transpose_half(int64_t nr, int64_t cols, const uint16_t *src, uint16_t *dst,
+                           int64_t ld) {
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t c = 0; c < cols; c++) dst[c * ld + i] = src[i * cols + c];
+}
+
+static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_t *x,
+                    const void *const *cores, const void *const *gates, const void *bias,
+                    uint16_t *y, uint16_t *t, int nthreads) {
+    const tt_shape *s = &p->shape;
+    int64_t batch = p->batch, in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    int64_t ku = bias ? re : rm; /* depth of the y product */
+    int64_t rb = comera_tt_row_block_half(s);
+    int64_t blocks = (batch + rb - 1) / rb;
+    int nt = comera_threads_for_items(nthreads, blocks);
+    int64_t scratch = comera_hgemm_scratch(h, in > ku ? in : ku);
+    int64_t per = (rb * re * 2 + 63) / 64 * 64 + scratch * 4;
+    /* eff, P, [U; bias] (float32), packed V and U, per thread [t | 1] and
+     * the products' scratch: one reused block */
+    int64_t n[6] = {4 * s->core_off[s->D], 4 * s->P_off[s->D], bias ? 4 * re * out : 0,
+                    comera_hgemm_packed_bytes(h, in, rm), comera_hgemm_packed_bytes(h, ku, out),
+                    per * nt};
+    int64_t off[6];
+    int cached = 0;
+    char *block = comera_ws_acquire((size_t)carve_bytes(6, n, off), &cached);
+    if (!block) return COMERA_ERR_NOMEM;
+    float *eff = (float *)(block + off[0]), *P = (float *)(block + off[1]);
+    float *Ub = (float *)(block + off[2]);
+    void *Vp = block + off[3], *Up = block + off[4];
+    char *ws = block + off[5];
+    eff_from_params(s, pt, cores, gates, eff);
+    int rc = comera_tt_merges_f32(s, eff, P);
+    if (!rc) {
+        const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
+        comera_hgemm_pack_f32(h, in, rm, V, rm, 1, Vp);
+        if (bias) {
+            /* [U; bias]: U's rows, then the bias as row rm */
+            for (int64_t c = 0; c < rm; c++)
+                memcpy(Ub + c * out, U + c * s->out_pad, sizeof(float) * (size_t)out);
+            for (int64_t j = 0; j < out; j++) Ub[rm * out + j] = param_get(bias, pt, j);
+            comera_hgemm_pack_f32(h, re, out, Ub, out, 1, Up);
+        } else {
+            comera_hgemm_pack_f32(h, rm, out, U, s->out_pad, 1, Up);
+        }
+        int ymode = comera_gemm_store_mode(batch * out * 2);
+        uint16_t one = comera_f32_to_half(h, 1.0f);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
+            char *mine = ws + per * omp_get_thread_num();
+            uint16_t *Te = (uint16_t *)mine, *tb = t + r0 * rm;
+            float *scr = (float *)(mine + (rb * re * 2 + 63) / 64 * 64);
+            comera_hgemm(h, nr, rm, in, x + r0 * in, in, Vp, tb, h, rm, COMERA_GEMM_STORE, scr);
+            if (bias) {
+                ones_column(nr, rm, tb, one, Te);
+                comera_hgemm(h, nr, out, re, Te, re, Up, y + r0 * out, h, out, ymode, scr);
+            } else {
+                comera_hgemm(h, nr, out, rm, tb, rm, Up, y + r0 * out, h, out, ymode, scr);
+            }
+        }
+    }
+    comera_ws_release(block, cached);
+    return rc;
+}
+
+/* One thread's pieces of the backward workspace. */
+typedef struct {
+    float *dUe;    /* (r + 1) x out: d(U), last row d(bias) */
+    float *dVt;    /* r x in: d(V)^T */
+    uint16_t *S;   /* rb x r: dy U^T of the block */
+    uint16_t *TeT; /* (r + 1) x rb: [t | 1]^T */
+    uint16_t *ST;  /* r x rb: S^T */
+    void *Bp;      /* a dy or x block packed */
+    float *scr;    /* the products' scratch */
+} half_ws;
+
+static void bwd_half_block(const tt_shape *s, int h, int64_t rb, int64_t nr,
+                           const uint16_t *dyb, const uint16_t *xb, const uint16_t *tb,
+                           const void *UTp, const void *VTp, uint16_t *dxb, int dxmode,
+                           uint16_t one, const half_ws *w) {
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    comera_hgemm(h, nr, rm, out, dyb, out, UTp, w->S, h, rm, COMERA_GEMM_STORE, w->scr);
+    if (dxb) comera_hgemm(h, nr, in, rm, w->S, rm, VTp, dxb, h, in, dxmode, w->scr);
+    /* the weight-gradient products run along the block's rows: their A
+     * operands are the block's [t | 1] and S transposed (small) */
+    transpose_half(nr, rm, tb, w->TeT, rb);
+    for (int64_t i = 0; i < nr; i++) w->TeT[rm * rb + i] = one;
+    transpose_half(nr, rm, w->S, w->ST, rb);
+    comera_hgemm_pack_half(h, nr, out, dyb, out, w->Bp);
+    comera_hgemm(h, re, out, nr, w->TeT, rb, w->Bp, w->dUe, COMERA_DT_F32, out, COMERA_GEMM_ADD,
+                 w->scr);
+    comera_hgemm_pack_half(h, nr, in, xb, in, w->Bp);
+    comera_hgemm(h, rm, in, nr, w->ST, rb, w->Bp, w->dVt, COMERA_DT_F32, in, COMERA_GEMM_ADD,
+                 w->scr);
+}
+
+static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_t *dy,
+                    const uint16_t *x, const uint16_t *t, const void *const *cores,
+                    const void *const *gates, uint16_t *dx, void *const *dcores,
+                    void *const *dgates, void *dbias, int nthreads) {
+    const tt_shape *s = &p->shape;
+    int64_t batch = p->batch, in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    int64_t rb = comera_tt_row_block_half(s);
+    int64_t blocks = (batch + rb - 1) / rb;
+    int nt = comera_threads_for_items(nthreads, blocks);
+    int64_t kmax = out > rm ? out : rm;
+    if (rb > kmax) kmax = rb;
+    /* per thread: dUe, dVt (float32), S, [t | 1]^T, S^T (16-bit), a packed
+     * block, the products' scratch */
+    int64_t pn[7] = {4 * re * out, 4 * rm * in, 2 * rb * rm, 2 * re * rb, 2 * rm * rb,
+                     comera_hgemm_packed_bytes(h, rb, in > out ? in : out),
+                     4 * comera_hgemm_scratch(h, kmax)};
+    int64_t po[7];
+    int64_t per = carve_bytes(7, pn, po);
+    /* eff, deff, P, dP (float32), packed U^T and V^T, the threads' pieces */
+    int64_t n[7] = {4 * s->core_off[s->D], 4 * s->core_off[s->D], 4 * s->P_off[s->D],
+                    4 * s->P_off[s->D], comera_hgemm_packed_bytes(h, out, rm),
+                    comera_hgemm_packed_bytes(h, rm, in), per * nt};
+    int64_t off[7];
+    int cached = 0;
+    char *block = comera_ws_acquire((size_t)carve_bytes(7, n, off), &cached);
+    if (!block) return COMERA_ERR_NOMEM;
+    float *eff = (float *)(block + off[0]), *deff = (float *)(block + off[1]);
+    float *P = (float *)(block + off[2]), *dP = (float *)(block + off[3]);
+    void *UTp = block + off[4], *VTp = block + off[5];
+    char *ws = block + off[6];
+    /* the sums start at zero: d(P) and every thread's d(U) and d(V)^T (a
+     * smaller team than asked leaves some unused, read as zeros) */
+    memset(dP, 0, (size_t)n[3]);
+    for (int th = 0; th < nt; th++) {
+        memset(ws + per * th + po[0], 0, (size_t)pn[0]);
+        memset(ws + per * th + po[1], 0, (size_t)pn[1]);
+    }
+    eff_from_params(s, pt, cores, gates, eff);
+    int rc = comera_tt_merges_f32(s, eff, P);
+    if (!rc) {
+        const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
+        comera_hgemm_pack_f32(h, out, rm, U, 1, s->out_pad, UTp);
+        comera_hgemm_pack_f32(h, rm, in, V, 1, rm, VTp);
+        int dxmode = comera_gemm_store_mode(batch * in * 2);
+        uint16_t one = comera_f32_to_half(h, 1.0f);
+#pragma omp parallel num_threads(nt)
+        {
+            int tid = omp_get_thread_num();
+            char *mine = ws + per * tid;
+            half_ws w = {(float *)(mine + po[0]), (float *)(mine + po[1]),
+                         (uint16_t *)(mine + po[2]), (uint16_t *)(mine + po[3]),
+                         (uint16_t *)(mine + po[4]), mine + po[5], (float *)(mine + po[6])};
+            /* stride by the team actually granted (see cpu_impl.h bwd_merge) */
+            int team = omp_get_num_threads();
+            for (int64_t b = tid; b < blocks; b += team) {
+                int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
+                bwd_half_block(s, h, rb, nr, dy + r0 * out, x + r0 * in, t + r0 * rm, UTp, VTp,
+                               dx ? dx + r0 * in : NULL, dxmode, one, &w);
+            }
+        }
+        /* the threads' sums into d(V) and d(U) at the chain ends, and d(bias) */
+        float *dVall = dP + s->P_off[s->p - 1], *dUall = dP + s->P_off[s->D - 1];
+        for (int th = 0; th < nt; th++) {
+            const float *dUe = (const float *)(ws + per * th + po[0]);
+            const float *dVt = (const float *)(ws + per * th + po[1]);
+            for (int64_t c = 0; c < rm; c++)
+                for (int64_t j = 0; j < out; j++) dUall[c * s->out_pad + j] += dUe[c * out + j];
+            for (int64_t i = 0; i < in; i++)
+                for (int64_t c = 0; c < rm; c++) dVall[i * rm + c] += dVt[c * in + i];
+        }
+        if (dbias)
+            for (int64_t j = 0; j < out; j++) {
+                float sum = 0.0f;
+                for (int th = 0; th < nt; th++)
+                    sum += ((const float *)(ws + per * th + po[0]))[rm * out + j];
+                param_put(dbias, pt, j, sum);
+            }
+        rc = comera_tt_merges_bwd_f32(s, eff, P, dP, deff);
+        if (!rc) param_grads(s, pt, cores, gates, deff, dcores, dgates);
+    }
+    comera_ws_release(block, cached);
+    return rc;
+}
+
+static int half_types_ok(int h, int pt) {
+    return (h == COMERA_DT_BF16 || h == COMERA_DT_F16) && (pt == h || pt == COMERA_DT_F32);
+}
+
+int comera_tt_linear_fwd_half(const comera_tt_linear_prep *p, int act, int param,
+                              const void *x, const void *const *cores,
+                              const void *const *gates, const void *bias, void *y, void *t,
+                              int nthreads) {
+    if (!half_types_ok(act, param)) return COMERA_ERR_ARG;
+    if (p->batch == 0) return COMERA_OK;
+    return fwd_half(p, act, param, x, cores, gates, bias, y, t, nthreads);
+}
+
+int comera_tt_linear_bwd_half(const comera_tt_linear_prep *p, int act, int param,
+                              const void *dy, const void *x, const void *t,
+                              const void *const *cores, const void *const *gates, void *dx,
+                              void *const *dcores, void *const *dgates, void *dbias,
+                              int nthreads) {
+    if (!half_types_ok(act, param)) return COMERA_ERR_ARG;
+    return bwd_half(p, act, param, dy, x, t, cores, gates, dx, dcores, dgates, dbias, nthreads);
+}
