@@ -9,10 +9,7 @@ The layers handled here are convert's per-layer records: objects with
 """
 from typing import Dict, List, Tuple
 
-import torch
 from torch import nn
-
-_FLOAT = (torch.float32, torch.float64)
 
 
 # ----------------------------------------------------------------------- ties
@@ -77,8 +74,6 @@ def resolve_ties(model, layers, tie: str) -> Tuple[List[Tuple[object, list]], Li
             elif not embs and len({id(l.module.bias) if l.module.bias is not None else None
                                    for l in lins}) > 1:
                 why = "tied Linears with different biases cannot share one TTLinear"
-            elif embs and any(l.module.weight.dtype not in _FLOAT for l in lins):
-                why = "tied half-precision layers are not supported"
         if why is not None:
             for m in live:
                 m.reason = (f"{why}; the tie is kept by leaving it dense (tie='keep'; pass "

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from comera.layers import tt
-from comera.layers.base import TTLayerMixin, param_list
+from comera.layers.base import TTLayerMixin, param_list, replace_data
 from comera.ops.dense import ttm_full
 from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
 
@@ -221,6 +221,49 @@ class TTEmbedding(TTLayerMixin, nn.Module):
     def compression(self) -> float:
         """Dense table parameters over TT core parameters."""
         return self.num_embeddings * self.embedding_dim / self.tt_params()
+
+    @torch.no_grad()
+    def resize_rows_(self, num_embeddings: int) -> List[int]:
+        """Gives the table ``num_embeddings`` rows, every kept row bit-exact.
+
+        Rows are numbered row-major over ``row_shape``: the leading row mode
+        (core 0) is the most significant digit, so changing its size keeps
+        the multi-index, hence the core slices, of every row below the new
+        count.  The row space grows or shrinks by whole slices of core 0
+        (``prod(row_shape[1:])`` rows each); rows that land in the padding of
+        the current row space read what the cores already give there, and
+        each added slice of core 0 is zero until the caller sets it (docs/design.md
+        section 3).  The Parameter objects are kept, their data replaced.
+        Returns the indices of the added slices of core 0.
+
+        Example:
+            >>> import torch, comera
+            >>> emb = comera.TTEmbedding(99, 32, rank=4)
+            >>> before = emb.weight
+            >>> emb.resize_rows_(109), emb.row_shape
+            ([5], [6, 4, 5])
+            >>> torch.equal(emb.weight[:99], before)
+            True
+        """
+        tt.check_sizes(num_embeddings=num_embeddings)
+        if self.padding_idx is not None and self.padding_idx >= num_embeddings:
+            raise ValueError(f"resize_rows_: padding_idx {self.padding_idx} would not be a row of "
+                             f"a table of {num_embeddings} rows")
+        core = self.cores[0]
+        old, old_rows = self.row_shape[0], self.num_embeddings
+        new = -(-num_embeddings // math.prod(self.row_shape[1:]))
+        self.row_shape[0], self.num_embeddings = new, num_embeddings
+        try:
+            self._check_fits(self.ranks)
+        except ValueError:
+            self.row_shape[0], self.num_embeddings = old, old_rows
+            raise
+        if new != old:
+            added = torch.zeros(core.shape[0], max(new - old, 0), *core.shape[2:],
+                                dtype=core.dtype, device=core.device)
+            replace_data(core, torch.cat([core.detach()[:, :min(old, new)], added], dim=1))
+            core.grad = None
+        return list(range(old, new))
 
     # --------------------------------------------------------------- forward
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,

@@ -57,7 +57,6 @@ class TiedTTLinear(nn.Module):
         # a tuple hides the module from nn.Module's registration (no second copy of the cores)
         self._tied_to = (embedding,)
         self.in_features = int(embedding.embedding_dim)
-        self.out_features = int(embedding.num_embeddings)
         if bias is not None:
             if not isinstance(bias, nn.Parameter):
                 bias = nn.Parameter(bias.detach().clone())
@@ -70,6 +69,12 @@ class TiedTTLinear(nn.Module):
     def embedding(self) -> nn.Module:
         """The TT embedding whose table is this layer's weight."""
         return self._tied_to[0]
+
+    @property
+    def out_features(self) -> int:
+        """The embedding's row count: it follows a resize of the embedding
+        (whose caller resizes the bias too)."""
+        return int(self.embedding.num_embeddings)
 
     @property
     def weight(self) -> torch.Tensor:

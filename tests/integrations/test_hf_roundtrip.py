@@ -250,14 +250,10 @@ def test_bad_inputs_give_clear_errors(tmp_path):
 
     folder = tmp_path / "tt"
     comera.convert(_model(), rank=4).save_pretrained(folder)
-    with pytest.raises(TypeError, match="holds a BertForMaskedLM, but BertModel builds"):
-        comera.from_pretrained(transformers.BertModel, folder)
-    with pytest.raises(TypeError, match="holds a BertForMaskedLM"):
-        comera.from_pretrained(transformers.AutoModelForSequenceClassification, folder)
     assert torch.nn.Module.register_parameter is register     # parameters are real again
     with pytest.raises(TypeError, match="cls must be a transformers model class"):
         comera.from_pretrained(torch.nn.Linear, folder)
-    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['not_an_option'\]"):
         comera.from_pretrained(transformers.AutoModelForMaskedLM, folder, not_an_option=1)
     with pytest.raises(ValueError, match="push_to_hub"):
         comera.convert(_model(), rank=4).save_pretrained(tmp_path / "hub", push_to_hub=True)

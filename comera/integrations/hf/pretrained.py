@@ -23,6 +23,7 @@ model instance (``to_dense`` removes it, so a densified model saves as a plain
 :func:`from_pretrained`, never by ``import comera``.
 """
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from torch import nn
 
 from comera._version import __version__
 from comera.convert import convert
+from comera.integrations.hf import loading
 from comera.layers.base import live_ranks, tt_layers
 from comera.layers.tied import TiedTTLinear
 from comera.storage import import_safetensors, load_state_dict, write_json
@@ -61,10 +63,13 @@ class SavePretrained:
     Runs the class's own ``save_pretrained`` (every argument passed on), then
     renames the weights file(s) and adds the TT record to ``config.json``.
     An object holding the model (rather than a bound method) so that
-    ``copy.deepcopy`` and pickling carry it over to the copy."""
+    ``copy.deepcopy`` and pickling carry it over to the copy.  ``root`` is
+    the model ``convert`` was given, when ``model`` is a transformers model
+    inside it (``model.bert``): its folder is a comera folder too."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, root: Optional[nn.Module] = None):
         self.model = model
+        self.root = model if root is None else root
 
     def __call__(self, save_directory, *args, **kwargs):
         if kwargs.get("push_to_hub"):
@@ -74,21 +79,31 @@ class SavePretrained:
         result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
         is_main = args[0] if args else kwargs.get("is_main_process", True)
         if is_main:
-            finish_folder(self.model, os.fspath(save_directory))
+            finish_folder(self.model, os.fspath(save_directory), self.root)
         if "transformers.trainer" in sys.modules:   # a Trainer checkpoint it could not reload
             check_save()
         return result
 
 
 def install_save_hook(model: nn.Module) -> None:
-    """Makes ``model.save_pretrained`` write a comera folder (HF models only)."""
-    if is_hf_model(model) and not isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
-        model.save_pretrained = SavePretrained(model)
+    """Makes ``model.save_pretrained`` write a comera folder (HF models only),
+    and that of every transformers model inside it that holds TT layers
+    (``model.bert.save_pretrained``), whose folder plain transformers would
+    otherwise load with random layers."""
+    if not is_hf_model(model):
+        return
+    for _, sub in model.named_modules():
+        if sub is not model and (not is_hf_model(sub) or not any(True for _ in tt_layers(sub))):
+            continue
+        hook = sub.__dict__.get("save_pretrained")
+        if not isinstance(hook, SavePretrained) or hook.model is not sub:
+            sub.save_pretrained = SavePretrained(sub, model)
 
 
 def remove_save_hook(model: nn.Module) -> None:
-    if isinstance(model.__dict__.get("save_pretrained"), SavePretrained):
-        del model.__dict__["save_pretrained"]
+    for _, sub in model.named_modules():
+        if isinstance(sub.__dict__.get("save_pretrained"), SavePretrained):
+            del sub.__dict__["save_pretrained"]
 
 
 def structure(model: nn.Module) -> Dict[str, dict]:
@@ -152,13 +167,15 @@ def _rename_weights(directory: str) -> str:
     return main
 
 
-def finish_folder(model: nn.Module, directory: str) -> None:
-    """Turns the folder ``transformers`` wrote for ``model`` into a comera folder."""
+def finish_folder(model: nn.Module, directory: str, root: Optional[nn.Module] = None) -> None:
+    """Turns the folder ``transformers`` wrote for ``model`` (part of ``root``,
+    the converted model, if given) into a comera folder."""
     weights = _rename_weights(directory)
     config_path = os.path.join(directory, "config.json")
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
-    if any(c is getattr(model, "config", None) for c in getattr(model, "_comera_untied_configs", [])):
+    untied = getattr(model if root is None else root, "_comera_untied_configs", [])
+    if any(c is getattr(model, "config", None) for c in untied):
         config["tie_word_embeddings"] = True   # convert untied a private copy; the architecture ties
     config[RECORD_KEY] = {"format": _FORMAT, "version": __version__,
                           "class": type(model).__name__, "weights": weights,
@@ -212,18 +229,20 @@ class _DropConvertLogs(logging.Filter):
     def filter(self, record):
         return not record.getMessage().startswith("comera.convert")
 
-
 def _convert_by_record(model: nn.Module, layers: Dict[str, dict]) -> None:
+    """Converts the model's dense layers that the record names (layers it
+    lacks are left out: their stored tensors are reported as unexpected),
+    gives each recorded TT layer its recorded modes, and checks that every
+    recorded layer now has its recorded type."""
     modules = dict(model.named_modules())
     rank = {}
     for name, info in layers.items():
         m = modules.get(name)
-        if m is None:
-            raise ValueError(f"from_pretrained: the folder records a {info.get('type')} at "
-                             f"'{name}' but the model built from its config has no module there")
         if type(m) in (nn.Linear, nn.Embedding):
-            # a tied head's TT weight is its embedding's: its own rank only sizes a throwaway build
-            rank[_escape(name)] = 1 if info["type"] == "TiedTTLinear" else list(info["ranks"])
+            # ranks are resized to the stored ones when loading; a tied head's TT weight is
+            # its embedding's, its own rank only sizes a throwaway build
+            ranks = info.get("ranks") or [1]
+            rank[_escape(name)] = 1 if info["type"] == "TiedTTLinear" else max(ranks)
     if rank:
         tied = any(info["type"] == "TiedTTLinear" for info in layers.values())
         quiet = _DropConvertLogs()
@@ -233,9 +252,10 @@ def _convert_by_record(model: nn.Module, layers: Dict[str, dict]) -> None:
                     min_compression=1e-12, tie="keep" if tied else "untie")
         finally:
             logging.getLogger("comera").removeFilter(quiet)
+    loading.rebuild_shapes(model, layers)
     modules = dict(model.named_modules())
     for name, info in layers.items():
-        if type(modules[name]).__name__ != info["type"]:
+        if name in modules and type(modules[name]).__name__ != info["type"]:
             raise ValueError(f"from_pretrained: '{name}' was saved as a {info['type']} but converts "
                              f"to a {type(modules[name]).__name__} here")
 
@@ -268,6 +288,13 @@ def fill_shared(model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
         for n in names:
             if stored and n not in state:
                 state[n] = state[stored[0]]
+    # a name the model declares tied to another (transformers' _tied_weights_keys, which
+    # save_pretrained stores once) takes the other's value when it is a separate tensor here
+    tensors = model.state_dict(keep_vars=True)
+    for target, source in (getattr(model, "_tied_weights_keys", None) or {}).items():
+        if (target not in state and source in state and target in tensors
+                and tuple(tensors[target].shape) == tuple(state[source].shape)):
+            state[target] = state[source]
 
 
 @contextlib.contextmanager
@@ -306,7 +333,19 @@ def _materialize(model: nn.Module, device) -> None:
             module._parameters[name] = new[id(p)]
 
 
-def _build(cls, path: str, dtype, attn_implementation, config_kwargs: dict):
+def _model_class(cls, config):
+    """The class ``cls`` builds for ``config`` (itself, or an Auto class's pick)."""
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is not None:
+        try:
+            return mapping[type(config)]
+        except KeyError:
+            raise ValueError(f"from_pretrained: {cls.__name__} builds no model for a "
+                             f"{type(config).__name__}") from None
+    return cls
+
+
+def _check_cls(cls):
     import transformers
 
     is_auto = hasattr(cls, "_model_mapping") and callable(getattr(cls, "from_config", None))
@@ -314,43 +353,105 @@ def _build(cls, path: str, dtype, attn_implementation, config_kwargs: dict):
         raise TypeError("from_pretrained: cls must be a transformers model class (e.g. "
                         "BertForMaskedLM) or Auto class (e.g. AutoModelForMaskedLM), got "
                         f"{getattr(cls, '__name__', type(cls).__name__)}")
-    config_cls = transformers.AutoConfig if is_auto else cls.config_class
-    config, unused = config_cls.from_pretrained(path, return_unused_kwargs=True, **config_kwargs)
-    if unused:
-        raise TypeError(f"from_pretrained: unexpected keyword arguments {sorted(unused)} (neither "
-                        "dtype, device, attn_implementation nor attributes of the model's config)")
+    return is_auto
+
+
+def _config(cls, is_auto: bool, path: Optional[str], config, kwargs: dict):
+    """(config, keyword arguments for the model's ``__init__``), as
+    transformers splits them: without a config object, keyword arguments that
+    are config attributes override them; with one, all go to ``__init__``."""
+    import transformers
+
+    if isinstance(config, transformers.PretrainedConfig):
+        config, model_kwargs = copy.deepcopy(config), dict(kwargs)
+    else:
+        source = config if config is not None else path
+        if source is None:
+            raise TypeError("from_pretrained: pass a folder path, or config= (a config or its "
+                            "folder) with state_dict=")
+        config_cls = transformers.AutoConfig if is_auto else cls.config_class
+        config, model_kwargs = config_cls.from_pretrained(os.fspath(source), return_unused_kwargs=True,
+                                                          **kwargs)
     for key in (RECORD_KEY, "transformers_weights"):
         if hasattr(config, key):
             delattr(config, key)   # the record describes the folder, not the in-memory model
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    loading.check_model_kwargs(_model_class(cls, config), model_kwargs, _OPTIONS)
+    return config, model_kwargs
+
+
+def _build(cls, is_auto: bool, config, dtype, attn_implementation, model_kwargs: dict):
+    kwargs = dict(model_kwargs)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     if dtype is not None:
         kwargs["dtype"] = dtype
     with _parameters_on_meta():
         return cls.from_config(config, **kwargs) if is_auto else cls._from_config(config, **kwargs)
 
 
-def from_pretrained(cls, path, *, dtype: Optional[torch.dtype] = None, device=None,
-                    attn_implementation: Optional[str] = None, **config_kwargs) -> nn.Module:
+def _load_generation_config(model: nn.Module, path: Optional[str]) -> None:
+    if path is None or not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and can_generate():
+        import transformers
+
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+
+
+_OPTIONS = ("config, state_dict, dtype, torch_dtype, device, device_map, attn_implementation, "
+            "output_loading_info, ignore_mismatched_sizes, low_cpu_mem_usage")
+
+
+def from_pretrained(cls, path=None, *, config=None, state_dict: Optional[Dict[str, torch.Tensor]] = None,
+                    dtype=None, torch_dtype=None, device=None, device_map=None,
+                    attn_implementation: Optional[str] = None, output_loading_info: bool = False,
+                    ignore_mismatched_sizes: bool = False, low_cpu_mem_usage=None, **kwargs):
     """Loads a folder that ``save_pretrained`` wrote for a converted model.
 
     Builds ``cls`` from the folder's config, converts it as recorded (the same
-    layers, TT types and ranks, pruned ranks included; tied heads tied again),
-    loads the saved values exactly and returns the model in eval mode, like
-    ``transformers``' ``from_pretrained``.
+    layers, TT types, ranks and modes, pruned ranks and resized vocabularies
+    included; tied heads tied again), loads the saved values exactly and
+    returns the model in eval mode, like ``transformers``' ``from_pretrained``,
+    whose options it takes with their meaning:
 
     Args:
-        cls: the model class saved (``BertForMaskedLM``) or an Auto class
-            (``AutoModelForMaskedLM``) that builds it.
-        path: the local folder.
-        dtype: build and load in this dtype (default: the config's).
-        device: move the loaded model there.
+        cls: a transformers model class (``BertForMaskedLM``) or an Auto class
+            (``AutoModelForMaskedLM``).  Another class than the one saved
+            loads as transformers loads it: a base model's folder into a
+            head model (under ``base_model_prefix``) and back, the weights the
+            folder lacks initialised and reported, its extra ones reported.
+        path: the local folder; None with ``config=`` and ``state_dict=``.
+        config: a config (then keyword arguments go to the model's
+            ``__init__``) or the folder to read it from.
+        state_dict: the weights, instead of a folder: a converted model's
+            ``state_dict()``; its TT layers are read off its keys and shapes
+            (or off the ``comera`` record of ``config``, when it has one).
+        dtype: a torch dtype, its name, or ``"auto"``/None (the config's
+            dtype, else the stored one); ``torch_dtype`` is its old name.
+            Half precision works for tied heads too.
+        device, device_map: the one device to load onto (``device_map`` as
+            transformers takes it for a single device: ``"cuda:0"``, ``0``,
+            ``{"": "cuda:0"}``; maps over several devices are refused).  By
+            default the device of an enclosing ``with torch.device(...)``, else
+            the CPU; under ``with torch.device("meta")`` it raises
+            RuntimeError, as transformers does.
         attn_implementation: passed to ``transformers`` (``"eager"``, ``"sdpa"``).
-        config_kwargs: config attributes to override (``hidden_dropout_prob=0.0``).
+        output_loading_info: also return ``{"missing_keys", "unexpected_keys",
+            "mismatched_keys", "error_msgs"}``.
+        ignore_mismatched_sizes: initialise, instead of refusing
+            (RuntimeError), layers whose stored shape differs (a TT layer's
+            ranks always follow the stored ones; other modes are a mismatch).
+        low_cpu_mem_usage: accepted; the model is always built with its
+            parameters on the meta device, as transformers 5 does.
+        kwargs: config attributes to override (``hidden_dropout_prob=0.0``)
+            or, with ``config=``, arguments of the model's ``__init__``;
+            anything else raises TypeError naming it.
 
     Raises FileNotFoundError for a missing folder or file, ValueError for a
     folder without a comera record (a plain Hugging Face folder: use
-    ``cls.from_pretrained``), TypeError when ``cls`` is not a model class or
-    builds another class than the one saved.
+    ``cls.from_pretrained``, then :func:`comera.convert`), TypeError when
+    ``cls`` is not a model class or for unknown keyword arguments.
 
     Example:
         >>> import tempfile, torch, comera
@@ -364,25 +465,52 @@ def from_pretrained(cls, path, *, dtype: Optional[torch.dtype] = None, device=No
         >>> ids = torch.tensor([[1, 5, 7, 2]])
         >>> torch.equal(again(ids).logits, model(ids).logits)
         True
+        >>> half = comera.from_pretrained(BertForMaskedLM, folder, dtype=torch.bfloat16)
+        >>> type(half.cls.predictions.decoder).__name__, half(ids).logits.dtype
+        ('TiedTTLinear', torch.bfloat16)
     """
-    path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
-    if not isinstance(path, str):
-        raise TypeError(f"from_pretrained: path must be a folder path, got {type(path).__name__}")
-    record = read_record(path)
-    model = _build(cls, path, dtype, attn_implementation, config_kwargs)
-    if type(model).__name__ != record.get("class"):
-        raise TypeError(f"from_pretrained: the folder holds a {record.get('class')}, but "
-                        f"{cls.__name__} builds a {type(model).__name__}; pass "
-                        f"{record.get('class')} or the Auto class that builds it")
-    _convert_by_record(model, record["layers"])
+    is_auto = _check_cls(cls)
+    target = loading.target_device(device, device_map)
+    if path is not None:
+        if state_dict is not None:
+            raise ValueError("from_pretrained: `state_dict` cannot be passed together with a folder")
+        path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+        if not isinstance(path, str):
+            raise TypeError(f"from_pretrained: path must be a folder path, got {type(path).__name__}")
+        record = read_record(path)
+        state = read_weights(path, record)
+    elif state_dict is None:
+        raise TypeError("from_pretrained: pass a folder path, or config= with state_dict=")
+    else:
+        record = getattr(config, RECORD_KEY, None) or {}
+        state = dict(state_dict)
+    config, model_kwargs = _config(cls, is_auto, path, config, kwargs)
+    dtype = loading.resolve_dtype(dtype, torch_dtype, config, state)
+    model = _build(cls, is_auto, config, dtype, attn_implementation, model_kwargs)
+
+    rename = loading.prefix_bridge(model, state)
+    unexpected = {k for k in state if rename(k) is None}
+    state = {rename(k): v for k, v in state.items() if rename(k) is not None}
+    if isinstance(record.get("layers"), dict):
+        layers = loading.bridge_layers(record["layers"], rename)
+    else:
+        layers = loading.infer_layers(model, state)
+    _convert_by_record(model, layers)
     install_save_hook(model)
-    state = read_weights(path, record)
     fill_shared(model, state)
-    _materialize(model, torch.device("cpu") if device is None else torch.device(device))
-    load_state_dict(model, state, strict=True)   # resizes TT ranks to the saved ones first
-    if device is not None:
-        model.to(device)                          # buffers
-    return model.eval()
+    mismatched = loading.split_mismatched(model, state)
+    _materialize(model, target)
+    result = load_state_dict(model, state, strict=False)   # resizes TT ranks to the stored ones
+    unexpected.update(result.unexpected_keys)
+    loaded = set(state) - set(result.unexpected_keys)
+    loading.init_missing(model, loaded)
+    model.to(target)                                        # buffers
+    info = {"missing_keys": set(result.missing_keys), "unexpected_keys": unexpected,
+            "mismatched_keys": mismatched, "error_msgs": []}
+    loading.report(model, path, info, ignore_mismatched_sizes)
+    _load_generation_config(model, path)
+    model.eval()
+    return (model, info) if output_loading_info else model
 
 
 # -------------------------------------- Trainer checks (transformers not imported)

@@ -9,7 +9,9 @@ import copy
 from torch import nn
 
 from comera.convert.replace import register_model_hooks
-from comera.integrations.hf.pretrained import install_save_hook, remove_save_hook
+from comera.integrations.hf import guard
+from comera.integrations.hf.pretrained import install_save_hook, is_hf_model, remove_save_hook
+from comera.integrations.hf.resize import install_resize_hook, remove_resize_hook
 
 
 def after_convert(model: nn.Module, tied_changed: bool) -> None:
@@ -21,8 +23,13 @@ def after_convert(model: nn.Module, tied_changed: bool) -> None:
     config (the caller's config object, often shared with other models, is
     left alone); both are restored by :func:`to_dense`.  ``model.save_pretrained``
     now writes a folder that :func:`comera.from_pretrained` reloads and plain
-    ``from_pretrained`` refuses; :func:`to_dense` restores the class's own."""
+    ``from_pretrained`` refuses, and ``model.resize_token_embeddings`` resizes
+    a TT word embedding (:mod:`.resize`); :func:`to_dense` restores the
+    class's own methods."""
     install_save_hook(model)
+    if is_hf_model(model):
+        guard.install()
+        install_resize_hook(model)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     tied = getattr(model, "all_tied_weights_keys", None)
     if isinstance(tied, dict):
@@ -33,6 +40,11 @@ def after_convert(model: nn.Module, tied_changed: bool) -> None:
         saved.update(gone)
         if saved:
             model._comera_dropped_tied_keys = saved
+        declared = getattr(type(model), "_tied_weights_keys", None)
+        if gone and isinstance(declared, dict):
+            # the class's declaration, which transformers' tie checks read, loses the same entries
+            # on this instance (to_dense restores the class's)
+            model._tied_weights_keys = {k: v for k, v in declared.items() if k not in saved}
     if not tied_changed:
         return
     # HF models share one config object with the caller (and often with other models built
@@ -56,6 +68,7 @@ def after_convert(model: nn.Module, tied_changed: bool) -> None:
 
 def after_to_dense(model: nn.Module) -> None:
     remove_save_hook(model)
+    remove_resize_hook(model)
     names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     saved = getattr(model, "_comera_dropped_tied_keys", None)
     tied = getattr(model, "all_tied_weights_keys", None)
@@ -66,6 +79,8 @@ def after_to_dense(model: nn.Module) -> None:
                 del saved[k]
         if not saved:
             del model._comera_dropped_tied_keys
+    if "_tied_weights_keys" in model.__dict__ and not getattr(model, "_comera_dropped_tied_keys", None):
+        del model.__dict__["_tied_weights_keys"]
     for cfg in getattr(model, "_comera_untied_configs", []):
         cfg.tie_word_embeddings = True
     if hasattr(model, "_comera_untied_configs"):
