@@ -24,7 +24,9 @@ _HALF = (torch.bfloat16, torch.float16)
 @torch.library.register_fake("comera::tt_linear")
 def _tt_linear_fake(x, cores, gates, bias, num_in_cores, out_features, path):
     rmid = cores[num_in_cores - 1].shape[-1]
-    return x.new_empty(x.shape[0], out_features), x.new_empty(x.shape[0], rmid)
+    act = cores[0].dtype if cores[0].dtype in _HALF else x.dtype  # y and t: the 16-bit type
+    return (x.new_empty(x.shape[0], out_features, dtype=act),
+            x.new_empty(x.shape[0], rmid, dtype=act))
 
 
 @torch.library.register_fake("comera::tt_linear_backward")
@@ -176,17 +178,23 @@ register_loop_vmap("tt_linear_backward")
 
 
 # Autocast (AMP): the TT contractions always accumulate in float32.  On CPU,
-# called under autocast with float32 cores, the op casts x alone to autocast's
-# 16-bit dtype (as F.linear casts its input) and runs the 16-bit kernels with
-# the float32 cores, gates and bias as they are; y comes out in autocast's
-# dtype, like F.linear's.  16-bit cores take x in their own dtype; float64
-# is left alone.  On CUDA the wrapper runs the kernels in the autocast dtype
-# (their accumulators are float32), which is where the GPU speed comes from.
+# under autocast, a float32 layer runs the 16-bit kernels in autocast's dtype
+# and returns it, like F.linear: a 16-bit x with the float32 cores, gates and
+# bias as they are, or a float32 x as it is with them cast (small); the
+# kernels take both pairs, so no activation is cast.  16-bit cores take x in
+# their own dtype; float64 is left alone.  On CUDA the wrapper runs the
+# kernels in the autocast dtype (their accumulators are float32), which is
+# where the GPU speed comes from.
 @torch.library.impl("comera::tt_linear", "AutocastCPU")
 def _tt_linear_autocast_cpu(x, cores, gates, bias, num_in_cores, out_features, path):
     want = cores[0].dtype if cores[0].dtype in _HALF else torch.get_autocast_dtype("cpu")
-    if x.dtype not in (torch.float64, want) and cores[0].dtype != torch.float64 and want in _HALF:
-        x = x.to(want)
+    if want in _HALF and torch.float64 not in (x.dtype, cores[0].dtype):
+        if x.dtype == torch.float32 and cores[0].dtype == torch.float32:
+            cores = [c.to(want) for c in cores]
+            gates = [g.to(want) for g in gates]
+            bias = bias.to(want) if bias is not None else None
+        elif x.dtype not in (torch.float32, want):
+            x = x.to(want)
     with torch._C._ExcludeDispatchKeyGuard(
             torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
         return torch.ops.comera.tt_linear.default(x, cores, gates, bias, num_in_cores,
@@ -244,13 +252,19 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         bias = bias.to(compute) if bias is not None else None
     elif (compute == torch.float32 and x.device.type == "cpu" and x.dtype != torch.float64
           and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in _HALF):
-        # the CPU's 16-bit kernels take the 16-bit x with the float32 cores, gates
-        # and bias as they are: nothing is cast but x (as F.linear casts it)
+        # the CPU's 16-bit kernels take a 16-bit x with the float32 cores, gates and
+        # bias, or a float32 x with them cast (small): x itself is never cast to float32
         compute = torch.get_autocast_dtype("cpu")
         autocast = True
+        if x.dtype == torch.float32:
+            cores = [c.to(compute) for c in cores]
+            gates = [g.to(compute) for g in gates]
+            bias = bias.to(compute) if bias is not None else None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != compute:
+    # under CPU autocast a float32 x goes to the 16-bit kernels as it is (they
+    # round it block by block)
+    if x2.dtype != compute and not (autocast and x2.dtype == torch.float32 and not x2.is_cuda):
         x2 = x2.to(compute)
     x2, cores, gates, code = x2.contiguous(), list(cores), list(gates), PATHS[path]
     if torch.compiler.is_compiling():  # the compiled graph holds the operator

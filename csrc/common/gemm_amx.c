@@ -63,8 +63,49 @@ int comera_amx_usable(void) {
     return ok;
 }
 
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+void comera_amx_narrow(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+        _mm512_storeu_si512(dst + i, (__m512i)h);
+    }
+    for (; i < n; i++) dst[i] = comera_f32_to_bf16(src[i]);
+}
+
+/* Row-major float32 B (a block of a float32 x): rows k and k + 1, 16
+ * columns at a time, rounded together and interleaved into one panel row. */
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void amx_pack_f32_rows(int64_t K, int64_t N, const float *B, int64_t ldb,
+                              uint16_t *packed) {
+    int64_t Kp = amx_kpad(K), pstride = Kp * COMERA_GEMM_NR;
+    /* cvtne2ps gives a0..a15 b0..b15; the panel row wants a0 b0 a1 b1 ... */
+    uint16_t idx[32];
+    for (int n = 0; n < 16; n++) {
+        idx[2 * n] = (uint16_t)n;
+        idx[2 * n + 1] = (uint16_t)(16 + n);
+    }
+    __m512i pairs = _mm512_loadu_si512(idx);
+    for (int64_t j = 0; j < N; j += COMERA_GEMM_NR) {
+        int64_t n = N - j < COMERA_GEMM_NR ? N - j : COMERA_GEMM_NR;
+        __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+        uint16_t *panel = packed + (j / COMERA_GEMM_NR) * pstride;
+        for (int64_t k = 0; k < Kp; k += 2) {
+            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+            if (k < K) a = _mm512_maskz_loadu_ps(m, B + k * ldb + j);
+            if (k + 1 < K) b = _mm512_maskz_loadu_ps(m, B + (k + 1) * ldb + j);
+            __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            _mm512_storeu_si512(panel + k * 16, _mm512_permutexvar_epi16(pairs, ab));
+        }
+    }
+}
+
 void comera_amx_pack_f32(int64_t K, int64_t N, const float *B, int64_t rsb, int64_t csb,
                          uint16_t *packed) {
+    if (csb == 1) {
+        amx_pack_f32_rows(K, N, B, rsb, packed);
+        return;
+    }
     int64_t Kp = amx_kpad(K), pstride = Kp * COMERA_GEMM_NR;
     for (int64_t j0 = 0; j0 < N; j0 += COMERA_GEMM_NR) {
         uint16_t *panel = packed + (j0 / COMERA_GEMM_NR) * pstride;
@@ -283,5 +324,9 @@ void comera_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
                      const uint16_t *Bp, void *C, int ct, int64_t ldc, int mode) {
     (void)M; (void)N; (void)K; (void)A; (void)lda; (void)Bp; (void)C; (void)ct; (void)ldc;
     (void)mode;
+}
+
+void comera_amx_narrow(const float *src, uint16_t *dst, int64_t n) {
+    (void)src; (void)dst; (void)n;
 }
 #endif

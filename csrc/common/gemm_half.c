@@ -26,13 +26,34 @@ void comera_hgemm_pack_half(int h, int64_t K, int64_t N, const uint16_t *B, int6
     else comera_gemm_variant_in_use()->pack_half(h, K, N, B, ldb, packed);
 }
 
+/* AMX: 32 rows of a float32 A rounded to bfloat16; the float32 tiles: a
+ * row group of A widened to float32. */
+#define AMX_ROWS 32
+
 int64_t comera_hgemm_scratch(int h, int64_t K) {
-    if (comera_hgemm_amx(h)) return 0;
-    return (int64_t)comera_gemm_variant_in_use()->mr * (K > 0 ? K : 1);
+    int64_t k = K > 0 ? K : 1;
+    if (comera_hgemm_amx(h)) return AMX_ROWS * k / 2 + 1;
+    return (int64_t)comera_gemm_variant_in_use()->mr * k;
 }
 
-void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at, int64_t lda,
                   const void *Bp, void *C, int ct, int64_t ldc, int mode, float *scratch) {
-    if (comera_hgemm_amx(h)) comera_amx_gemm(M, N, K, A, lda, Bp, C, ct, ldc, mode);
-    else comera_gemm_tiles(M, N, K, h, A, lda, 1, Bp, C, ct, ldc, mode, scratch);
+    if (!comera_hgemm_amx(h)) {
+        /* a float32 A is read in place, a 16-bit one widened */
+        comera_gemm_tiles(M, N, K, at, A, lda, 1, Bp, C, ct, ldc, mode, scratch);
+        return;
+    }
+    if (at == COMERA_DT_BF16) {
+        comera_amx_gemm(M, N, K, A, lda, Bp, C, ct, ldc, mode);
+        return;
+    }
+    /* a float32 A, 32 rows at a time through a bfloat16 copy */
+    int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
+    uint16_t *rows = (uint16_t *)scratch;
+    for (int64_t i0 = 0; i0 < M; i0 += AMX_ROWS) {
+        int64_t mr = M - i0 < AMX_ROWS ? M - i0 : AMX_ROWS;
+        for (int64_t i = 0; i < mr; i++)
+            comera_amx_narrow((const float *)A + (i0 + i) * lda, rows + i * K, K);
+        comera_amx_gemm(mr, N, K, rows, K, Bp, (char *)C + i0 * ldc * esize, ct, ldc, mode);
+    }
 }

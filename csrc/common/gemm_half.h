@@ -21,8 +21,9 @@ int comera_hgemm_amx(int h);
 int64_t comera_hgemm_packed_bytes(int h, int64_t K, int64_t N);
 
 /* Packs B for products of type h: from float32 (element (k, n) at
- * B[k * rsb + n * csb]; V, U and their transposes, once per call), or from
- * type h (row-major, row stride ldb; a block of x or dy). */
+ * B[k * rsb + n * csb]; V, U and their transposes once per call, a block
+ * of a float32 x), or from type h (row-major, row stride ldb; a block of x
+ * or dy). */
 void comera_hgemm_pack_f32(int h, int64_t K, int64_t N, const float *B, int64_t rsb,
                            int64_t csb, void *packed);
 void comera_hgemm_pack_half(int h, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
@@ -32,12 +33,13 @@ void comera_hgemm_pack_half(int h, int64_t K, int64_t N, const uint16_t *B, int6
 int64_t comera_hgemm_scratch(int h, int64_t K);
 
 /* C (M x N) = A Bp, or C += A Bp for a float32 C under COMERA_GEMM_ADD.
- * A is M x K of type h, row-major (row stride lda, K contiguous); Bp was
- * packed for h with the same K and N; C has element type ct (h or
- * COMERA_DT_F32) and row stride ldc; mode is a COMERA_GEMM_* store mode
- * (common/gemm.h; STREAM for a large 16-bit output).  scratch holds
- * comera_hgemm_scratch(h, K) floats. */
-void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+ * A is M x K of element type at (h, or COMERA_DT_F32: a float32 x under
+ * autocast), row-major (row stride lda, K contiguous); Bp was packed for h
+ * with the same K and N; C has element type ct (h or COMERA_DT_F32) and
+ * row stride ldc; mode is a COMERA_GEMM_* store mode (common/gemm.h;
+ * STREAM for a large output).  scratch holds comera_hgemm_scratch(h, K)
+ * floats. */
+void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at, int64_t lda,
                   const void *Bp, void *C, int ct, int64_t ldc, int mode, float *scratch);
 
 #endif

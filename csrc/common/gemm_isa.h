@@ -72,6 +72,8 @@ void comera_amx_pack_bf16(int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
                           uint16_t *packed);
 void comera_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
                      const uint16_t *Bp, void *C, int ct, int64_t ldc, int mode);
+/* dst[0..n) = src[0..n) rounded to bfloat16 (VCVTNE2PS2BF16). */
+void comera_amx_narrow(const float *src, uint16_t *dst, int64_t n);
 
 /* The tile loops of the packed products (common/gemm.c): C (M x N, element
  * type ct) = A Bp (or += under COMERA_GEMM_ADD) on the variant's float32

@@ -1,11 +1,14 @@
 /* TT linear layer, CPU kernels for bfloat16 and float16 activations.
  *
- * x, y, t, dy and dx are 16-bit (type h: COMERA_DT_BF16 or COMERA_DT_F16);
- * the cores, gates and bias, and their gradients, are of type h too, or
- * float32 (pt): a float32 layer under torch.autocast keeps its parameters
- * in float32 and gets bfloat16 activations.  Every product accumulates in
- * float32 and reads and writes the 16-bit tensors where they lie
- * (common/gemm_half.h): no float32 copy of x, dy, y or dx is made.
+ * y, t and dy are 16-bit (type h: COMERA_DT_BF16 or COMERA_DT_F16); x and
+ * dx are of type h or float32 (xt); the cores, gates and bias, and their
+ * gradients, of type h or float32 (pt).  Under torch.autocast a float32
+ * layer keeps its parameters in float32, and its input may be a float32
+ * tensor that F.linear would cast: the kernels take both as they are.
+ * Every product accumulates in float32 and reads and writes the tensors
+ * where they lie (common/gemm_half.h): no copy of x, dy, y or dx in
+ * another type is made (a float32 x is rounded block by block on its way
+ * to the AMX tiles).
  *
  * The algorithm is the float32 merge path (cpu_impl.h, docs/design.md
  * section 2) with its batch products in 16 bits:
@@ -104,7 +107,12 @@ static void transpose_half(int64_t nr, int64_t cols, const uint16_t *src, uint16
         for (int64_t c = 0; c < cols; c++) dst[c * ld + i] = src[i * cols + c];
 }
 
-static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_t *x,
+/* Bytes of an element of type dt. */
+static int64_t elem_bytes(int dt) {
+    return dt == COMERA_DT_F32 ? 4 : 2;
+}
+
+static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const void *x,
                     const void *const *cores, const void *const *gates, const void *bias,
                     uint16_t *y, uint16_t *t, int nthreads) {
     const tt_shape *s = &p->shape;
@@ -150,12 +158,13 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_
             char *mine = ws + per * omp_get_thread_num();
             uint16_t *Te = (uint16_t *)mine, *tb = t + r0 * rm;
             float *scr = (float *)(mine + (rb * re * 2 + 63) / 64 * 64);
-            comera_hgemm(h, nr, rm, in, x + r0 * in, in, Vp, tb, h, rm, COMERA_GEMM_STORE, scr);
+            const char *xb = (const char *)x + r0 * in * elem_bytes(xt);
+            comera_hgemm(h, nr, rm, in, xb, xt, in, Vp, tb, h, rm, COMERA_GEMM_STORE, scr);
             if (bias) {
                 ones_column(nr, rm, tb, one, Te);
-                comera_hgemm(h, nr, out, re, Te, re, Up, y + r0 * out, h, out, ymode, scr);
+                comera_hgemm(h, nr, out, re, Te, h, re, Up, y + r0 * out, h, out, ymode, scr);
             } else {
-                comera_hgemm(h, nr, out, rm, tb, rm, Up, y + r0 * out, h, out, ymode, scr);
+                comera_hgemm(h, nr, out, rm, tb, h, rm, Up, y + r0 * out, h, out, ymode, scr);
             }
         }
     }
@@ -174,29 +183,31 @@ typedef struct {
     float *scr;    /* the products' scratch */
 } half_ws;
 
-static void bwd_half_block(const tt_shape *s, int h, int64_t rb, int64_t nr,
-                           const uint16_t *dyb, const uint16_t *xb, const uint16_t *tb,
-                           const void *UTp, const void *VTp, uint16_t *dxb, int dxmode,
+/* One row block; x and dx of type xt. */
+static void bwd_half_block(const tt_shape *s, int h, int xt, int64_t rb, int64_t nr,
+                           const uint16_t *dyb, const void *xb, const uint16_t *tb,
+                           const void *UTp, const void *VTp, void *dxb, int dxmode,
                            uint16_t one, const half_ws *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    comera_hgemm(h, nr, rm, out, dyb, out, UTp, w->S, h, rm, COMERA_GEMM_STORE, w->scr);
-    if (dxb) comera_hgemm(h, nr, in, rm, w->S, rm, VTp, dxb, h, in, dxmode, w->scr);
+    comera_hgemm(h, nr, rm, out, dyb, h, out, UTp, w->S, h, rm, COMERA_GEMM_STORE, w->scr);
+    if (dxb) comera_hgemm(h, nr, in, rm, w->S, h, rm, VTp, dxb, xt, in, dxmode, w->scr);
     /* the weight-gradient products run along the block's rows: their A
      * operands are the block's [t | 1] and S transposed (small) */
     transpose_half(nr, rm, tb, w->TeT, rb);
     for (int64_t i = 0; i < nr; i++) w->TeT[rm * rb + i] = one;
     transpose_half(nr, rm, w->S, w->ST, rb);
     comera_hgemm_pack_half(h, nr, out, dyb, out, w->Bp);
-    comera_hgemm(h, re, out, nr, w->TeT, rb, w->Bp, w->dUe, COMERA_DT_F32, out, COMERA_GEMM_ADD,
-                 w->scr);
-    comera_hgemm_pack_half(h, nr, in, xb, in, w->Bp);
-    comera_hgemm(h, rm, in, nr, w->ST, rb, w->Bp, w->dVt, COMERA_DT_F32, in, COMERA_GEMM_ADD,
+    comera_hgemm(h, re, out, nr, w->TeT, h, rb, w->Bp, w->dUe, COMERA_DT_F32, out,
+                 COMERA_GEMM_ADD, w->scr);
+    if (xt == COMERA_DT_F32) comera_hgemm_pack_f32(h, nr, in, xb, in, 1, w->Bp);
+    else comera_hgemm_pack_half(h, nr, in, xb, in, w->Bp);
+    comera_hgemm(h, rm, in, nr, w->ST, h, rb, w->Bp, w->dVt, COMERA_DT_F32, in, COMERA_GEMM_ADD,
                  w->scr);
 }
 
-static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_t *dy,
-                    const uint16_t *x, const uint16_t *t, const void *const *cores,
-                    const void *const *gates, uint16_t *dx, void *const *dcores,
+static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const uint16_t *dy,
+                    const void *x, const uint16_t *t, const void *const *cores,
+                    const void *const *gates, void *dx, void *const *dcores,
                     void *const *dgates, void *dbias, int nthreads) {
     const tt_shape *s = &p->shape;
     int64_t batch = p->batch, in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
@@ -205,6 +216,7 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_
     int nt = comera_threads_for_items(nthreads, blocks);
     int64_t kmax = out > rm ? out : rm;
     if (rb > kmax) kmax = rb;
+    int64_t xe = elem_bytes(xt);
     /* per thread: dUe, dVt (float32), S, [t | 1]^T, S^T (16-bit), a packed
      * block, the products' scratch */
     int64_t pn[7] = {4 * re * out, 4 * rm * in, 2 * rb * rm, 2 * re * rb, 2 * rm * rb,
@@ -237,7 +249,7 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_
         const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         comera_hgemm_pack_f32(h, out, rm, U, 1, s->out_pad, UTp);
         comera_hgemm_pack_f32(h, rm, in, V, 1, rm, VTp);
-        int dxmode = comera_gemm_store_mode(batch * in * 2);
+        int dxmode = comera_gemm_store_mode(batch * in * xe);
         uint16_t one = comera_f32_to_half(h, 1.0f);
 #pragma omp parallel num_threads(nt)
         {
@@ -250,8 +262,9 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_
             int team = omp_get_num_threads();
             for (int64_t b = tid; b < blocks; b += team) {
                 int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
-                bwd_half_block(s, h, rb, nr, dy + r0 * out, x + r0 * in, t + r0 * rm, UTp, VTp,
-                               dx ? dx + r0 * in : NULL, dxmode, one, &w);
+                bwd_half_block(s, h, xt, rb, nr, dy + r0 * out, (const char *)x + r0 * in * xe,
+                               t + r0 * rm, UTp, VTp, dx ? (char *)dx + r0 * in * xe : NULL,
+                               dxmode, one, &w);
             }
         }
         /* the threads' sums into d(V) and d(U) at the chain ends, and d(bias) */
@@ -278,24 +291,28 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, const uint16_
     return rc;
 }
 
-static int half_types_ok(int h, int pt) {
-    return (h == COMERA_DT_BF16 || h == COMERA_DT_F16) && (pt == h || pt == COMERA_DT_F32);
+static int half_types_ok(const comera_tt_half_types *ty) {
+    int h = ty->act;
+    return (h == COMERA_DT_BF16 || h == COMERA_DT_F16) &&
+           (ty->param == h || ty->param == COMERA_DT_F32) &&
+           (ty->x == h || ty->x == COMERA_DT_F32);
 }
 
-int comera_tt_linear_fwd_half(const comera_tt_linear_prep *p, int act, int param,
+int comera_tt_linear_fwd_half(const comera_tt_linear_prep *p, const comera_tt_half_types *ty,
                               const void *x, const void *const *cores,
                               const void *const *gates, const void *bias, void *y, void *t,
                               int nthreads) {
-    if (!half_types_ok(act, param)) return COMERA_ERR_ARG;
+    if (!ty || !half_types_ok(ty)) return COMERA_ERR_ARG;
     if (p->batch == 0) return COMERA_OK;
-    return fwd_half(p, act, param, x, cores, gates, bias, y, t, nthreads);
+    return fwd_half(p, ty->act, ty->param, ty->x, x, cores, gates, bias, y, t, nthreads);
 }
 
-int comera_tt_linear_bwd_half(const comera_tt_linear_prep *p, int act, int param,
+int comera_tt_linear_bwd_half(const comera_tt_linear_prep *p, const comera_tt_half_types *ty,
                               const void *dy, const void *x, const void *t,
                               const void *const *cores, const void *const *gates, void *dx,
                               void *const *dcores, void *const *dgates, void *dbias,
                               int nthreads) {
-    if (!half_types_ok(act, param)) return COMERA_ERR_ARG;
-    return bwd_half(p, act, param, dy, x, t, cores, gates, dx, dcores, dgates, dbias, nthreads);
+    if (!ty || !half_types_ok(ty)) return COMERA_ERR_ARG;
+    return bwd_half(p, ty->act, ty->param, ty->x, dy, x, t, cores, gates, dx, dcores, dgates,
+                    dbias, nthreads);
 }

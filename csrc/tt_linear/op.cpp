@@ -32,11 +32,12 @@ struct LinearCall {
     std::vector<int64_t> in_modes, out_modes, ranks;
     comera_tt_linear_desc d{};
     comera_tt_linear_prep prep{};
-    ScalarType dtype;   // x's, y's, t's
-    ScalarType param;   // the cores', gates' and bias's: dtype, or float32
-                        // with 16-bit x on the CPU (a float32 layer under autocast)
+    ScalarType dtype;   // x's (and dx's)
+    ScalarType act;     // y's, t's, dy's: dtype, but for set_types' pairs
+    ScalarType param;   // the cores', gates' and bias's: dtype, but for set_types' pairs
     Device device;
     int32_t dtype_id;   // glue.h: cheap equality checks against x's
+    int32_t act_id;
     int32_t param_id;
     int64_t device_id;
     LinearCall(const Tensor &x_in, std::vector<Tensor> &&cores_in, std::vector<Tensor> &&gates_in)
@@ -44,34 +45,48 @@ struct LinearCall {
           cores(std::move(cores_in)),
           gates(std::move(gates_in)),
           dtype(x_in.scalar_type()),
+          act(dtype),
           param(dtype),
           device(x_in.device()),
           dtype_id(comera_glue::dtype_id(x_in)),
+          act_id(dtype_id),
           param_id(dtype_id),
           device_id(comera_glue::device_id(x_in)) {
         make_contiguous(cores);
         make_contiguous(gates);
     }
     int64_t rmid() const { return ranks[d.num_in]; }
-    bool like_x(const Tensor &t) const {
-        return comera_glue::dtype_id(t) == dtype_id && comera_glue::device_id(t) == device_id;
+    bool like_act(const Tensor &t) const {
+        return comera_glue::dtype_id(t) == act_id && comera_glue::device_id(t) == device_id;
     }
     bool like_param(const Tensor &t) const {
         return comera_glue::dtype_id(t) == param_id && comera_glue::device_id(t) == device_id;
     }
-    bool half() const { return dtype == ScalarType::BFloat16 || dtype == ScalarType::Half; }
+    bool half() const { return act == ScalarType::BFloat16 || act == ScalarType::Half; }
 };
 
-// A 16-bit x on the CPU may come with float32 parameters (autocast keeps a
-// float32 layer's parameters); everything else has one dtype.
-inline void set_param_dtype(const char *op, LinearCall &c) {
-    if (c.cores.empty() || !c.half() || is_cuda(c.device)) return;
+inline bool is_half(ScalarType t) { return t == ScalarType::BFloat16 || t == ScalarType::Half; }
+
+// The CPU's 16-bit kernels also take a 16-bit x with float32 parameters, and
+// a float32 x with 16-bit parameters (a float32 layer under autocast: its
+// parameters as they are, or its float32 input as it is); y, t and dy are
+// then of the 16-bit type.  Everywhere else x and the parameters share one
+// dtype.
+inline void set_types(const char *op, LinearCall &c) {
+    if (c.cores.empty() || is_cuda(c.device)) return;
     const Tensor &core = c.cores[0];
-    if (core.scalar_type() != ScalarType::Float) return;
+    ScalarType pt = core.scalar_type();
+    bool mixed = (is_half(c.dtype) && pt == ScalarType::Float) ||
+                 (c.dtype == ScalarType::Float && is_half(pt));
+    if (!mixed) return;
     COMERA_CHECK(comera_glue::device_id(core) == c.device_id, op,
                  ": core 0 must match x in dtype and device");
-    c.param = ScalarType::Float;
+    c.param = pt;
     c.param_id = comera_glue::dtype_id(core);
+    if (is_half(pt)) {
+        c.act = pt;
+        c.act_id = c.param_id;
+    }
 }
 
 inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
@@ -90,8 +105,8 @@ inline void describe_cores(const char *op, LinearCall &c, int64_t num_in) {
         COMERA_CHECK(cs[0] == c.ranks.back(), op, ": core ", k, " has left rank ", cs[0],
                      ", expected ", c.ranks.back());
         COMERA_CHECK(c.like_param(core), op, ": core ", k,
-                     " must match x in dtype and device (or be float32 with a 16-bit x on the "
-                     "CPU, like every core)");
+                     " must match x in dtype and device (on the CPU: or float32 with a 16-bit x, "
+                     "or 16-bit with a float32 x, like every core)");
         (k < num_in ? c.in_modes : c.out_modes).push_back(cs[1]);
         c.ranks.push_back(cs[2]);
         if (k == D - 1) continue;
@@ -120,7 +135,7 @@ inline LinearCall prepare_linear(const char *op, const Tensor &x, std::vector<Te
     COMERA_CHECK(path >= COMERA_PATH_AUTO && path <= COMERA_PATH_SEQUENTIAL, op,
                  ": path must be 0 (auto), 1 (merge) or 2 (sequential), got ", path);
     LinearCall c(x, std::move(cores), std::move(gates));
-    set_param_dtype(op, c);
+    set_types(op, c);
     describe_cores(op, c, num_in);
     c.d.num_in = static_cast<int32_t>(num_in);
     c.d.num_out = static_cast<int32_t>(c.cores.size() - num_in);
@@ -150,10 +165,10 @@ inline std::optional<Tensor> check_bias(const char *op, const LinearCall &c,
 inline void check_backward_inputs(const char *op, const LinearCall &c, const Tensor &gy,
                                   const Tensor &t) {
     int64_t batch = c.x.size(0), out = c.d.out_features;
-    COMERA_CHECK(gy.dim() == 2 && gy.size(0) == batch && gy.size(1) == out && c.like_x(gy),
-                 op, ": grad_y must be (", batch, ", ", out, ") like x");
-    COMERA_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == c.rmid() && c.like_x(t),
-                 op, ": t must be (", batch, ", ", c.rmid(), ") like x");
+    COMERA_CHECK(gy.dim() == 2 && gy.size(0) == batch && gy.size(1) == out && c.like_act(gy),
+                 op, ": grad_y must be (", batch, ", ", out, ") of ", c.act, " like y");
+    COMERA_CHECK(t.dim() == 2 && t.size(0) == batch && t.size(1) == c.rmid() && c.like_act(t),
+                 op, ": t must be (", batch, ", ", c.rmid(), ") of ", c.act, " like y");
 }
 
 // The backward's outputs: grad_x (empty when not needed), per-core and
@@ -207,12 +222,16 @@ int backward_cpu(const LinearCall &c, const Tensor &gy, const Tensor &t, LinearG
                                         nt);
 }
 
-// bfloat16 and float16 (cpu_half.c): parameters of c.param
+// bfloat16 and float16 (cpu_half.c), x and the parameters of their own types
+comera_tt_half_types half_types(const LinearCall &c) {
+    return {dtype_code(c.act), dtype_code(c.dtype), dtype_code(c.param)};
+}
+
 int forward_cpu_half(const LinearCall &c, const std::optional<Tensor> &bias, const Tensor &y,
                      const Tensor &t) {
     auto cores = data_ptrs<void>(c.cores), gates = data_ptrs<void>(c.gates);
-    return comera_tt_linear_fwd_half(&c.prep, dtype_code(c.dtype), dtype_code(c.param),
-                                     c.x.data_ptr(), cores.data(), gates.data(),
+    comera_tt_half_types ty = half_types(c);
+    return comera_tt_linear_fwd_half(&c.prep, &ty, c.x.data_ptr(), cores.data(), gates.data(),
                                      bias ? bias->data_ptr() : nullptr, y.data_ptr(),
                                      t.data_ptr(), num_threads());
 }
@@ -221,10 +240,11 @@ int backward_cpu_half(const LinearCall &c, const Tensor &gy, const Tensor &t, Li
                       bool has_bias, bool needs_input_grad) {
     auto cores = data_ptrs<void>(c.cores), gates = data_ptrs<void>(c.gates);
     auto dc = mutable_data_ptrs<void>(g.gcores), dg = mutable_data_ptrs<void>(g.ggates);
+    comera_tt_half_types ty = half_types(c);
     return comera_tt_linear_bwd_half(
-        &c.prep, dtype_code(c.dtype), dtype_code(c.param), gy.data_ptr(), c.x.data_ptr(),
-        t.data_ptr(), cores.data(), gates.data(), needs_input_grad ? g.gx.data_ptr() : nullptr,
-        dc.data(), dg.data(), has_bias ? g.gb.data_ptr() : nullptr, num_threads());
+        &c.prep, &ty, gy.data_ptr(), c.x.data_ptr(), t.data_ptr(), cores.data(), gates.data(),
+        needs_input_grad ? g.gx.data_ptr() : nullptr, dc.data(), dg.data(),
+        has_bias ? g.gb.data_ptr() : nullptr, num_threads());
 }
 
 // ---- CUDA launchers (cuda.cu)
@@ -287,8 +307,8 @@ std::tuple<Tensor, Tensor> tt_linear(Tensor x, std::vector<Tensor> cores,
                                   path);
     std::optional<Tensor> bias = check_bias(op, c, bias_in);
     int64_t batch = c.x.size(0);
-    Tensor y = empty({batch, out_features}, c.dtype, c.device);
-    Tensor t = empty({batch, c.rmid()}, c.dtype, c.device);
+    Tensor y = empty({batch, out_features}, c.act, c.device);
+    Tensor t = empty({batch, c.rmid()}, c.act, c.device);
     if (batch == 0) return {y, t};
     int rc = is_cuda(c.device)                ? forward_cuda(op, c, bias, y, t)
              : c.half()                       ? forward_cpu_half(c, bias, y, t)

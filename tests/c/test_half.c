@@ -94,7 +94,7 @@ static void vector_conversion_case(int h, int mode) {
     uint16_t *C = xmalloc(sizeof(uint16_t) * (size_t)(M * N) + 64);
     uint16_t *Ca = (uint16_t *)(((uintptr_t)C + 63) / 64 * 64); /* for streaming stores */
     comera_hgemm_pack_f32(h, 1, N, scale, N, 1, Bp);
-    comera_hgemm(h, M, N, 1, A, 1, Bp, Ca, h, N, mode, scr);
+    comera_hgemm(h, M, N, 1, A, h, 1, Bp, Ca, h, N, mode, scr);
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {
@@ -120,18 +120,22 @@ static void test_vector_conversions(void) {
 }
 
 /* One 16-bit product against a float64 triple loop on the same values:
- * B packed from float32 (src 0) or from the 16-bit type (src 1), C float32
- * (stored or added to) or 16-bit; ldc wider than N with sentinels that
- * must survive. */
+ * B packed from float32 (src 0) or from the 16-bit type (src 1), A 16-bit
+ * or float32 (a32; values the 16-bit type holds), C float32 (stored or
+ * added to) or 16-bit; ldc wider than N with sentinels that must survive. */
 static void hgemm_case(lcg_t *g, int h, int64_t M, int64_t N, int64_t K, int ct, int mode,
-                       int src) {
+                       int src, int a32) {
     int64_t lda = K + 3, ldc = N + 5;
     uint16_t *A = xmalloc(sizeof(uint16_t) * (size_t)(M * lda + 1));
+    float *Af = falloc(M * lda + 1);
     uint16_t *Bh = xmalloc(sizeof(uint16_t) * (size_t)(K * N + 1));
     float *Bf = falloc(K * N + 1), *Cf = falloc(M * ldc + 1);
     uint16_t *Ch = xmalloc(sizeof(uint16_t) * (size_t)(M * ldc + 1));
     double *R = dalloc(M * ldc + 1);
-    for (int64_t i = 0; i < M * lda; i++) A[i] = comera_f32_to_half(h, (float)lcg_uniform(g));
+    for (int64_t i = 0; i < M * lda; i++) {
+        A[i] = comera_f32_to_half(h, (float)lcg_uniform(g));
+        Af[i] = comera_half_to_f32(h, A[i]);
+    }
     for (int64_t i = 0; i < K * N; i++) {
         Bh[i] = comera_f32_to_half(h, (float)lcg_uniform(g));
         /* AMX rounds a float32 B to bfloat16: give it values it keeps */
@@ -152,8 +156,9 @@ static void hgemm_case(lcg_t *g, int h, int64_t M, int64_t N, int64_t K, int ct,
     else comera_hgemm_pack_f32(h, K, N, Bf, N, 1, Bp);
     float *Cw = falloc(M * ldc + 1);
     memcpy(Cw, Cf, sizeof(float) * (size_t)(M * ldc));
-    comera_hgemm(h, M, N, K, A, lda, Bp, ct == COMERA_DT_F32 ? (void *)Cw : (void *)Ch, ct, ldc,
-                 mode, scr);
+    comera_hgemm(h, M, N, K, a32 ? (const void *)Af : (const void *)A,
+                 a32 ? COMERA_DT_F32 : h, lda, Bp, ct == COMERA_DT_F32 ? (void *)Cw : (void *)Ch,
+                 ct, ldc, mode, scr);
     double worst = 0.0, scale = sqrt((double)K) + 1.0;
     int untouched = 1;
     for (int64_t i = 0; i < M; i++)
@@ -170,10 +175,10 @@ static void hgemm_case(lcg_t *g, int h, int64_t M, int64_t N, int64_t K, int ct,
     double tol = h == COMERA_DT_BF16 ? TOL_GEMM_BF16 : TOL_GEMM_F16;
     group_note_err(worst);
     check(worst <= tol && untouched,
-          "%s %lldx%lldx%lld C %s mode %d B from %s: error %.3g (tolerance %.3g), past N %s",
-          TNAME[h], (long long)M, (long long)N, (long long)K, TNAME[ct], mode,
-          src ? "16-bit" : "float32", worst, tol, untouched ? "untouched" : "WRITTEN");
-    free(A); free(Bh); free(Bf); free(Cf); free(Ch); free(R); free(Bp); free(scr); free(Cw);
+          "%s %lldx%lldx%lld A %s C %s mode %d B from %s: error %.3g (tolerance %.3g), past N %s",
+          TNAME[h], (long long)M, (long long)N, (long long)K, a32 ? "f32" : TNAME[h], TNAME[ct],
+          mode, src ? "16-bit" : "float32", worst, tol, untouched ? "untouched" : "WRITTEN");
+    free(A); free(Af); free(Bh); free(Bf); free(Cf); free(Ch); free(R); free(Bp); free(scr); free(Cw);
 }
 
 static void test_hgemm(void) {
@@ -192,15 +197,17 @@ static void test_hgemm(void) {
                     int ct = pick < 2 ? COMERA_DT_F32 : h;
                     int mode = pick == 1 ? COMERA_GEMM_ADD : pick == 3 ? COMERA_GEMM_STREAM
                                                                        : COMERA_GEMM_STORE;
-                    hgemm_case(&g, h, MS[mi], NS[ni], KS[ki], ct, mode, (mi + ki) % 2);
+                    hgemm_case(&g, h, MS[mi], NS[ni], KS[ki], ct, mode, (mi + ki) % 2,
+                               (ni + ki) % 3 == 0);
                 }
     group_end();
 }
 
 /* ---- the TT linear entry points ---- */
 
-/* A parameter array of type pt holding `n` values rounded to it; vals gets
- * the values as doubles. */
+/* An array of type pt (a parameter, or x) holding `n` values rounded to
+ * it; vals gets the values as doubles.  A float32 x is rounded to the
+ * 16-bit type by the kernels: the reference reads its float32 values. */
 static void *param_array(lcg_t *g, int pt, int64_t n, double lo, double hi, double *vals) {
     void *p = xmalloc((size_t)(n > 0 ? n : 1) * (pt == COMERA_DT_F32 ? 4 : 2));
     for (int64_t i = 0; i < n; i++) {
@@ -230,8 +237,8 @@ static double err_param(const void *a, int pt, const double *ref, int64_t n, dou
     return rel_err(tmp, ref, n);
 }
 
-static void half_tt_case(const tt_case *c, int h, int pt, int64_t B, int nt, int use_bias,
-                         int use_dx, uint64_t seed) {
+static void half_tt_case(const tt_case *c, int h, int pt, int xt, int64_t B, int nt,
+                         int use_bias, int use_dx, uint64_t seed) {
     int D = tt_D(c);
     int64_t rm = c->ranks[c->p], in = c->in_f, out = c->out_f;
     lcg_t g;
@@ -258,15 +265,13 @@ static void half_tt_case(const tt_case *c, int h, int pt, int64_t B, int nt, int
     void *bp = param_array(&g, pt, out, -1, 1, bd), *dbp = xmalloc((size_t)out * 4);
     if (!use_bias) memset(bd, 0, sizeof(double) * (size_t)out);
     int64_t nx = B * in, ny = B * out, ntt = B * rm;
-    uint16_t *x = xmalloc(2 * (size_t)(nx + 1)), *dy = xmalloc(2 * (size_t)(ny + 1));
+    uint16_t *dy = xmalloc(2 * (size_t)(ny + 1));
     uint16_t *y = xmalloc(2 * (size_t)(ny + 1)), *t = xmalloc(2 * (size_t)(ntt + 1));
-    uint16_t *dx = xmalloc(2 * (size_t)(nx + 1));
+    void *dx = xmalloc(4 * (size_t)(nx + 1));
     double *xd = dalloc(nx), *dyd = dalloc(ny), *yr = dalloc(ny), *tr = dalloc(ntt);
     double *dxr = dalloc(nx);
-    for (int64_t i = 0; i < nx; i++) {
-        x[i] = comera_f32_to_half(h, (float)lcg_uniform(&g));
-        xd[i] = comera_half_to_f32(h, x[i]);
-    }
+    /* x of type xt: 16-bit, or float32 (then the kernels round it) */
+    void *x = param_array(&g, xt, nx, -1, 1, xd);
     for (int64_t i = 0; i < ny; i++) {
         dy[i] = comera_f32_to_half(h, (float)lcg_uniform(&g));
         dyd[i] = comera_half_to_f32(h, dy[i]);
@@ -280,12 +285,13 @@ static void half_tt_case(const tt_case *c, int h, int pt, int64_t B, int nt, int
 
     comera_tt_linear_desc d = {c->p, c->q, c->in_modes, c->out_modes, c->ranks, in, out};
     comera_tt_linear_prep prep;
+    comera_tt_half_types ty = {h, xt, pt};
     int rc = comera_tt_linear_prepare(&d, B, COMERA_PATH_AUTO, &prep);
     if (!rc)
-        rc = comera_tt_linear_fwd_half(&prep, h, pt, x, (const void *const *)cp,
+        rc = comera_tt_linear_fwd_half(&prep, &ty, x, (const void *const *)cp,
                                        (const void *const *)gp, use_bias ? bp : NULL, y, t, nt);
     if (!rc)
-        rc = comera_tt_linear_bwd_half(&prep, h, pt, dy, x, t, (const void *const *)cp,
+        rc = comera_tt_linear_bwd_half(&prep, &ty, dy, x, t, (const void *const *)cp,
                                        (const void *const *)gp, use_dx ? dx : NULL, dcp, dgp,
                                        use_dx ? dbp : NULL, nt);
     int64_t most = nx > ny ? nx : ny;
@@ -301,7 +307,7 @@ static void half_tt_case(const tt_case *c, int h, int pt, int64_t B, int nt, int
         HALF_CMP("t", err_half(t, h, tr, ntt, tmp));
     }
     if (use_dx) {
-        if (B > 0) HALF_CMP("dx", err_half(dx, h, dxr, nx, tmp));
+        if (B > 0) HALF_CMP("dx", err_param(dx, xt, dxr, nx, tmp));
         HALF_CMP("dbias", err_param(dbp, pt, dbr, out, tmp));
     }
     for (int k = 0; k < D; k++) {
@@ -312,8 +318,8 @@ static void half_tt_case(const tt_case *c, int h, int pt, int64_t B, int nt, int
     double tol = h == COMERA_DT_BF16 ? TOL_BF16 : TOL_F16;
     group_note_err(worst);
     check(rc == 0 && worst <= tol,
-          "%s %s params %s batch %lld nt %d%s%s: rc %d, %s rel err %.3g (tolerance %.3g)",
-          c->name, TNAME[h], TNAME[pt], (long long)B, nt, use_bias ? "" : " no bias",
+          "%s %s params %s x %s batch %lld nt %d%s%s: rc %d, %s rel err %.3g (tolerance %.3g)",
+          c->name, TNAME[h], TNAME[pt], TNAME[xt], (long long)B, nt, use_bias ? "" : " no bias",
           use_dx ? "" : " no dx", rc, what, worst, tol);
     for (int k = 0; k < D; k++) {
         free(cd[k]); free(cp[k]); free(dcr[k]); free(dcp[k]);
@@ -333,8 +339,10 @@ static void test_half_tt(const tt_case *cases, int ncases) {
         for (int h = COMERA_DT_BF16; h <= COMERA_DT_F16; h++)
             for (int bi = 0; bi < 4; bi++)
                 for (int ni = 0; ni < 3; ni++) {
+                    /* parameters and x of type h or float32, in turn */
                     int pt = (bi + ni) % 2 ? COMERA_DT_F32 : h;
-                    half_tt_case(&cases[ci], h, pt, BATCHES[bi], NTS[ni], ni != 1, ni != 2,
+                    int xt = (bi + ni + h) % 3 == 0 ? COMERA_DT_F32 : h;
+                    half_tt_case(&cases[ci], h, pt, xt, BATCHES[bi], NTS[ni], ni != 1, ni != 2,
                                  7000 + (uint64_t)(ci * 100 + h * 10 + bi));
                 }
         group_end();
@@ -351,11 +359,17 @@ void test_half(const tt_case *cases, int ncases) {
                                cases[0].ranks, cases[0].in_f, cases[0].out_f};
     comera_tt_linear_prep prep;
     int rc = comera_tt_linear_prepare(&d, 1, COMERA_PATH_AUTO, &prep);
-    check(rc == 0 && comera_tt_linear_fwd_half(&prep, COMERA_DT_F32, COMERA_DT_F32, NULL, NULL,
-                                               NULL, NULL, NULL, NULL, 1) == COMERA_ERR_ARG,
+    comera_tt_half_types f32 = {COMERA_DT_F32, COMERA_DT_F32, COMERA_DT_F32};
+    comera_tt_half_types mixed = {COMERA_DT_BF16, COMERA_DT_BF16, COMERA_DT_F16};
+    comera_tt_half_types x64 = {COMERA_DT_BF16, COMERA_DT_F64, COMERA_DT_BF16};
+    check(rc == 0 && comera_tt_linear_fwd_half(&prep, &f32, NULL, NULL, NULL, NULL, NULL, NULL,
+                                               1) == COMERA_ERR_ARG,
           "float32 activations refused");
-    check(comera_tt_linear_fwd_half(&prep, COMERA_DT_BF16, COMERA_DT_F16, NULL, NULL, NULL,
-                                    NULL, NULL, NULL, 1) == COMERA_ERR_ARG,
+    check(comera_tt_linear_fwd_half(&prep, &mixed, NULL, NULL, NULL, NULL, NULL, NULL, 1) ==
+              COMERA_ERR_ARG,
           "float16 parameters with bfloat16 activations refused");
+    check(comera_tt_linear_bwd_half(&prep, &x64, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                    NULL, 1) == COMERA_ERR_ARG,
+          "a float64 x refused");
     group_end();
 }

@@ -309,13 +309,14 @@ static void fuzz_linear(reader *r) {
         for (int64_t i = 0; i < batch * in_f; i++) hx[i] = comera_f32_to_bf16((float)x[i]);
         for (int64_t i = 0; i < batch * out_f; i++) hdy[i] = comera_f32_to_bf16((float)dy[i]);
         comera_tt_linear_prep prep;
+        comera_tt_half_types ty = {COMERA_DT_BF16, COMERA_DT_BF16, COMERA_DT_F32};
         int a = comera_tt_linear_prepare(&d, batch, path, &prep);
         if (!a)
-            a = comera_tt_linear_fwd_half(&prep, COMERA_DT_BF16, COMERA_DT_F32, hx,
+            a = comera_tt_linear_fwd_half(&prep, &ty, hx,
                                           (const void *const *)fc, (const void *const *)fg, fb,
                                           hy, ht, nthreads);
         int b = a ? a
-                  : comera_tt_linear_bwd_half(&prep, COMERA_DT_BF16, COMERA_DT_F32, hdy, hx, ht,
+                  : comera_tt_linear_bwd_half(&prep, &ty, hdy, hx, ht,
                                               (const void *const *)fc, (const void *const *)fg,
                                               hdx, (void *const *)fdc, (void *const *)fdg, fdb,
                                               nthreads);

@@ -166,15 +166,29 @@ def test_autocast_runs_16bit_kernels_on_a_float32_layer(dtype):
         assert rel_err(p.grad, g64) <= TOL[dtype]
 
 
-def test_autocast_float32_input_is_cast_like_f_linear():
-    layer = _layer(64, 48, 4, True, torch.float32)
-    x = torch.randn(10, 64, requires_grad=True)
-    with torch.autocast("cpu"):
+@pytest.mark.parametrize("dtype", HALF)
+def test_autocast_takes_a_float32_input_as_it_is(dtype):
+    """A float32 x (a layer norm's output, say) goes to the 16-bit kernels
+    uncast; y in autocast's dtype as F.linear's, dx in float32 straight from
+    the kernel."""
+    layer = _layer(768, 3072, 16, True, torch.float32)
+    ref = _layer(768, 3072, 16, True, torch.float64)
+    torch.manual_seed(3)
+    x = torch.randn(256, 768, requires_grad=True)
+    gy = torch.randn(256, 3072).to(dtype)
+    rec = _Record()
+    with rec, torch.autocast("cpu", dtype=dtype):
         y = layer(x)
         dense = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    assert y.dtype == dense.dtype == torch.bfloat16
-    y.float().sum().backward()
-    assert x.grad.dtype == torch.float32
+        y.backward(gy)
+    assert y.dtype == dense.dtype == dtype and x.grad.dtype == torch.float32
+    casts = [(name, o) for name, outs in rec.calls for o in outs
+             if "_to_copy" in name and o[1] in ((256, 768), (256, 3072))]
+    assert casts == [("aten._to_copy.default", (dtype, (256, 768)))], casts  # F.linear's own
+    y64, gx64, grads64 = _step(ref, x.detach().double(), gy.double())
+    assert rel_err(y, y64) <= TOL[dtype] and rel_err(x.grad, gx64) <= TOL[dtype]
+    for p, g64 in zip(layer.parameters(), grads64):
+        assert rel_err(p.grad, g64) <= TOL[dtype]
 
 
 def test_op_takes_float32_parameters_with_16bit_activations():

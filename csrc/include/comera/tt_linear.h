@@ -160,20 +160,27 @@ int comera_tt_linear_bwd_f64(const comera_tt_linear_prep *p, const double *dy,
                              const double *const *gates, double *dx, double *const *dcores,
                              double *const *dgates, double *dbias, int nthreads);
 
-/* bfloat16 and float16 (act: COMERA_DT_BF16 or COMERA_DT_F16, comera/dtype.h):
- * x, y, t, dy and dx of type act; cores, gates, bias and their gradients of
- * type param, which is act or COMERA_DT_F32 (a float32 layer under
- * autocast).  Same results as the float32 entry points: V and U are built
- * in float32 and rounded to act for the batch products, which accumulate in
- * float32 and round t, y, dx (and the backward's dy U^T) once; the
- * parameter gradients are summed in float32.  Always the merge path: the
- * prepared path is not consulted.  Returns COMERA_OK, COMERA_ERR_NOMEM, or
- * COMERA_ERR_ARG for another pair of types. */
-int comera_tt_linear_fwd_half(const comera_tt_linear_prep *p, int act, int param,
+/* The element types of a bfloat16 / float16 call (comera/dtype.h): act is
+ * COMERA_DT_BF16 or COMERA_DT_F16, the type of y, t and dy and of the
+ * products; x (and dx) are act or COMERA_DT_F32; the cores, gates, bias
+ * (and their gradients) act or COMERA_DT_F32.  The float32 forms are a
+ * float32 layer under autocast: its parameters, and an input F.linear would
+ * cast, taken as they are. */
+typedef struct comera_tt_half_types {
+    int32_t act, x, param;
+} comera_tt_half_types;
+
+/* Same results as the float32 entry points, in the types above: V and U are
+ * built in float32 and rounded to act for the batch products, which
+ * accumulate in float32 and round t, y, dx (and the backward's dy U^T)
+ * once; the parameter gradients are summed in float32.  Always the merge
+ * path: the prepared path is not consulted.  Returns COMERA_OK,
+ * COMERA_ERR_NOMEM, or COMERA_ERR_ARG for another combination of types. */
+int comera_tt_linear_fwd_half(const comera_tt_linear_prep *p, const comera_tt_half_types *ty,
                               const void *x, const void *const *cores,
                               const void *const *gates, const void *bias, void *y, void *t,
                               int nthreads);
-int comera_tt_linear_bwd_half(const comera_tt_linear_prep *p, int act, int param,
+int comera_tt_linear_bwd_half(const comera_tt_linear_prep *p, const comera_tt_half_types *ty,
                               const void *dy, const void *x, const void *t,
                               const void *const *cores, const void *const *gates, void *dx,
                               void *const *dcores, void *const *dgates, void *dbias,
