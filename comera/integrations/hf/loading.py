@@ -336,6 +336,13 @@ def init_missing(model: nn.Module, loaded: Set[str]) -> None:
     for t in tensors.values():
         if id(t) in done:
             t._is_hf_initialized = True
+    # the build (on the meta device) marked every module initialised: a module with a
+    # tensor the checkpoint lacks is not
+    for module in model.modules():
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        if any(id(t) not in done for t in own if t is not None and id(t) in
+               {id(v) for v in tensors.values()}):
+            module._is_hf_initialized = False
     if callable(getattr(model, "initialize_weights", None)):
         model.initialize_weights()
     else:  # transformers 4: no flags, initialise only the modules with a missing tensor

@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -47,6 +48,18 @@ _PREFIX = "comera-"
 _GUARD = ("comera: this folder holds tensor-train (comera) weights that plain from_pretrained "
           "cannot load; load it with comera.from_pretrained(cls, path)")
 _FORMAT = 1
+_UNTIED_CONFIGS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def mark_untied_copy(config) -> None:
+    """Records a private config copy in which convert turned
+    ``tie_word_embeddings`` off (:mod:`.ties`): a model that
+    :func:`from_pretrained` builds from it is tied, as the original was."""
+    _UNTIED_CONFIGS[id(config)] = config
+
+
+def is_untied_copy(config) -> bool:
+    return _UNTIED_CONFIGS.get(id(config)) is config
 
 
 # ------------------------------------------------------------------ save side
@@ -235,6 +248,13 @@ def _convert_by_record(model: nn.Module, layers: Dict[str, dict]) -> None:
     gives each recorded TT layer its recorded modes, and checks that every
     recorded layer now has its recorded type."""
     modules = dict(model.named_modules())
+    embeddings = {id(modules[n].weight): n for n, info in layers.items()
+                  if info["type"] == "TTEmbedding" and type(modules.get(n)) is nn.Embedding}
+    for name, m in modules.items():
+        # a head the model ties to a recorded embedding (one saved without it: a base model's
+        # folder loaded into a head model) is tied to its TT weight too
+        if type(m) is nn.Linear and name not in layers and id(m.weight) in embeddings:
+            layers = {**layers, name: {"type": "TiedTTLinear", "embedding": embeddings[id(m.weight)]}}
     rank = {}
     for name, info in layers.items():
         m = modules.get(name)
@@ -363,7 +383,10 @@ def _config(cls, is_auto: bool, path: Optional[str], config, kwargs: dict):
     import transformers
 
     if isinstance(config, transformers.PretrainedConfig):
+        untied = is_untied_copy(config)
         config, model_kwargs = copy.deepcopy(config), dict(kwargs)
+        if untied:
+            config.tie_word_embeddings = True   # a converted model's config: built as the original
     else:
         source = config if config is not None else path
         if source is None:
@@ -505,7 +528,11 @@ def from_pretrained(cls, path=None, *, config=None, state_dict: Optional[Dict[st
     loaded = set(state) - set(result.unexpected_keys)
     loading.init_missing(model, loaded)
     model.to(target)                                        # buffers
-    info = {"missing_keys": set(result.missing_keys), "unexpected_keys": unexpected,
+    # as transformers reports them: a tied name is not missing when its source is in the model
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    resized = {k for k, _, _ in mismatched}
+    missing = {k for k in result.missing_keys if k not in tied and k not in resized}
+    info = {"missing_keys": missing, "unexpected_keys": unexpected,
             "mismatched_keys": mismatched, "error_msgs": []}
     loading.report(model, path, info, ignore_mismatched_sizes)
     _load_generation_config(model, path)

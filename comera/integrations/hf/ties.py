@@ -10,7 +10,8 @@ from torch import nn
 
 from comera.convert.replace import register_model_hooks
 from comera.integrations.hf import guard
-from comera.integrations.hf.pretrained import install_save_hook, is_hf_model, remove_save_hook
+from comera.integrations.hf.pretrained import (install_save_hook, is_hf_model, mark_untied_copy,
+                                               remove_save_hook)
 from comera.integrations.hf.resize import install_resize_hook, remove_resize_hook
 
 
@@ -58,6 +59,7 @@ def after_convert(model: nn.Module, tied_changed: bool) -> None:
     for old in configs.values():
         new = copy.deepcopy(old)
         new.tie_word_embeddings = False
+        mark_untied_copy(new)
         for m in model.modules():
             if getattr(m, "config", None) is old:
                 m.config = new
