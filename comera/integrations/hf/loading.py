@@ -4,8 +4,8 @@ that go to the config or to the model's ``__init__``, base/head checkpoints
 (``base_model_prefix``), shape mismatches, the weights a checkpoint lacks
 (initialised as transformers does) and the loading report.
 
-transformers itself is imported only inside these functions' callers' calls
-(:func:`comera.from_pretrained` imports it); nothing here runs at ``import comera``.
+Nothing here imports transformers at module level: :func:`report` imports
+it when called, from :func:`comera.from_pretrained`, which already has.
 """
 import inspect
 import logging
@@ -338,10 +338,10 @@ def init_missing(model: nn.Module, loaded: Set[str]) -> None:
             t._is_hf_initialized = True
     # the build (on the meta device) marked every module initialised: a module with a
     # tensor the checkpoint lacks is not
+    stored = {id(t) for t in tensors.values()}    # persistent tensors: what a checkpoint holds
     for module in model.modules():
         own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        if any(id(t) not in done for t in own if t is not None and id(t) in
-               {id(v) for v in tensors.values()}):
+        if any(id(t) in stored and id(t) not in done for t in own if t is not None):
             module._is_hf_initialized = False
     if callable(getattr(model, "initialize_weights", None)):
         model.initialize_weights()
