@@ -41,8 +41,8 @@ void comera_gemm_pack_b_f32(int64_t K, int64_t N, const float *B,
 #define B_BLOCK_BYTES (160 * 1024)
 
 void comera_gemm_tiles(int64_t M, int64_t N, int64_t K, int at, const void *A, int64_t rsa,
-                       int64_t csa, const float *Bp, void *C, int ct, int64_t ldc, int mode,
-                       float *scratch) {
+                       int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C, int ct,
+                       int64_t ldc, int mode, float *scratch) {
     if (M <= 0 || N <= 0) return;
     const comera_gemm_variant *v = comera_gemm_variant_in_use();
     int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
@@ -66,8 +66,8 @@ void comera_gemm_tiles(int64_t M, int64_t N, int64_t K, int at, const void *A, i
             }
             for (int64_t j0 = jb; j0 < jend; j0 += v->nr) {
                 int nr = (int)(N - j0 < v->nr ? N - j0 : v->nr);
-                v->tile(K, a, ra, ca, Bp + j0 * K, (char *)C + (i0 * ldc + j0) * esize, ldc, mr,
-                        nr, mode, ct);
+                v->tile(K, a, ra, ca, B + (j0 / NR) * psb, rsb, psb,
+                        (char *)C + (i0 * ldc + j0) * esize, ldc, mr, nr, mode, ct);
             }
         }
     }
@@ -78,8 +78,21 @@ void comera_gemm_packed_f32(int64_t M, int64_t N, int64_t K,
                             const float *A, int64_t rsa, int64_t csa,
                             const float *Bp, float *C, int64_t ldc,
                             int accumulate) {
-    comera_gemm_tiles(M, N, K, COMERA_DT_F32, A, rsa, csa, Bp, C, COMERA_DT_F32, ldc, accumulate,
-                      NULL);
+    comera_gemm_tiles(M, N, K, COMERA_DT_F32, A, rsa, csa, Bp, NR, (K > 0 ? K : 1) * NR, C,
+                      COMERA_DT_F32, ldc, accumulate, NULL);
+}
+
+void comera_gemm_rows_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
+                          int64_t csa, const float *B, int64_t ldb, float *C, int64_t ldc,
+                          int accumulate, float *tail) {
+    int64_t whole = N - N % NR;
+    comera_gemm_tiles(M, whole, K, COMERA_DT_F32, A, rsa, csa, B, ldb, NR, C, COMERA_DT_F32,
+                      ldc, accumulate, NULL);
+    if (whole == N || M <= 0) return;
+    /* the last N % 16 columns: one zero-padded panel */
+    pack_b_strided(K, N - whole, 0, B + whole, ldb, 1, tail);
+    comera_gemm_tiles(M, N - whole, K, COMERA_DT_F32, A, rsa, csa, tail, NR, (K > 0 ? K : 1) * NR,
+                      C + whole, COMERA_DT_F32, ldc, accumulate, NULL);
 }
 
 /* Below this many multiply-adds packing costs more than it saves. */

@@ -90,6 +90,17 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
                             const double *Bp, double *C, int64_t ldc,
                             int accumulate);
 
+/* comera_gemm_packed_f32 with B (K x N) row-major, row stride ldb, read in
+ * place: for a B used once, as a row block of x or dy in the TT weight
+ * gradients, where packing it would be a pass of its own.  The last N % 16
+ * columns go through tail (16 K floats). */
+void comera_gemm_rows_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t rsa,
+                          int64_t csa, const float *B, int64_t ldb, float *C, int64_t ldc,
+                          int accumulate, float *tail);
+void comera_gemm_rows_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t rsa,
+                          int64_t csa, const double *B, int64_t ldb, double *C, int64_t ldc,
+                          int accumulate, double *tail);
+
 /* C (M x N, row stride ldc) = A Bt^T, each element a dot product along K:
  * A is M x K and Bt is N x K, both contiguous along K (row strides lda,
  * ldb).  For products only a few columns wide, where most of a 16-column

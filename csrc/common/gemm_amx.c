@@ -44,6 +44,12 @@ static int64_t amx_kpad(int64_t K) {
     return K <= 32 ? 32 : (K + 31) / 32 * 32;
 }
 
+/* Rows in groups of AMX_PACK_ROWS, each group across all columns before
+ * the next: the group's rows are read front to back, a few streams the
+ * hardware prefetcher follows (a block of x comes from memory), and each
+ * panel gets AMX_PACK_ROWS / 2 consecutive 64-byte rows at a time. */
+#define AMX_PACK_ROWS 8
+
 int64_t comera_amx_packed_bytes(int64_t K, int64_t N) {
     int64_t panels = (N + COMERA_GEMM_NR - 1) / COMERA_GEMM_NR;
     return panels * amx_kpad(K) * COMERA_GEMM_NR * 2;
@@ -86,18 +92,20 @@ static void amx_pack_f32_rows(int64_t K, int64_t N, const float *B, int64_t ldb,
         idx[2 * n + 1] = (uint16_t)(16 + n);
     }
     __m512i pairs = _mm512_loadu_si512(idx);
-    for (int64_t j = 0; j < N; j += COMERA_GEMM_NR) {
-        int64_t n = N - j < COMERA_GEMM_NR ? N - j : COMERA_GEMM_NR;
-        __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
-        uint16_t *panel = packed + (j / COMERA_GEMM_NR) * pstride;
-        for (int64_t k = 0; k < Kp; k += 2) {
-            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-            if (k < K) a = _mm512_maskz_loadu_ps(m, B + k * ldb + j);
-            if (k + 1 < K) b = _mm512_maskz_loadu_ps(m, B + (k + 1) * ldb + j);
-            __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-            _mm512_storeu_si512(panel + k * 16, _mm512_permutexvar_epi16(pairs, ab));
+    /* row groups across all columns, as in comera_amx_pack_bf16 */
+    for (int64_t k0 = 0; k0 < Kp; k0 += AMX_PACK_ROWS)
+        for (int64_t j = 0; j < N; j += COMERA_GEMM_NR) {
+            int64_t n = N - j < COMERA_GEMM_NR ? N - j : COMERA_GEMM_NR;
+            __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+            uint16_t *panel = packed + (j / COMERA_GEMM_NR) * pstride;
+            for (int64_t k = k0; k < k0 + AMX_PACK_ROWS; k += 2) {
+                __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+                if (k < K) a = _mm512_maskz_loadu_ps(m, B + k * ldb + j);
+                if (k + 1 < K) b = _mm512_maskz_loadu_ps(m, B + (k + 1) * ldb + j);
+                __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+                _mm512_storeu_si512(panel + k * 16, _mm512_permutexvar_epi16(pairs, ab));
+            }
         }
-    }
 }
 
 void comera_amx_pack_f32(int64_t K, int64_t N, const float *B, int64_t rsb, int64_t csb,
@@ -118,9 +126,6 @@ void comera_amx_pack_f32(int64_t K, int64_t N, const float *B, int64_t rsb, int6
     }
 }
 
-/* Two panels (32 columns) at a time, all rows of them before the next two:
- * the panel is written front to back (its rows are 64-byte lines), while
- * the B rows it reads are 2 * ldb bytes apart and come from L2 either way. */
 __attribute__((target("avx512f,avx512bw")))
 void comera_amx_pack_bf16(int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
                           uint16_t *packed) {
@@ -134,18 +139,19 @@ void comera_amx_pack_bf16(int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
         hi_idx[2 * n + 1] = (uint16_t)(48 + n);
     }
     __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
-    for (int64_t j = 0; j < N; j += 32) {
-        int64_t n = N - j < 32 ? N - j : 32;
-        __mmask32 m = n == 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1);
-        uint16_t *p0 = packed + (j / COMERA_GEMM_NR) * pstride, *p1 = p0 + pstride;
-        for (int64_t k = 0; k < Kp; k += 2) {
-            __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-            if (k < K) a = _mm512_maskz_loadu_epi16(m, B + k * ldb + j);
-            if (k + 1 < K) b = _mm512_maskz_loadu_epi16(m, B + (k + 1) * ldb + j);
-            _mm512_storeu_si512(p0 + k * 16, _mm512_permutex2var_epi16(a, lo, b));
-            if (n > 16) _mm512_storeu_si512(p1 + k * 16, _mm512_permutex2var_epi16(a, hi, b));
+    for (int64_t k0 = 0; k0 < Kp; k0 += AMX_PACK_ROWS)
+        for (int64_t j = 0; j < N; j += 32) {
+            int64_t n = N - j < 32 ? N - j : 32;
+            __mmask32 m = n == 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1);
+            uint16_t *p0 = packed + (j / COMERA_GEMM_NR) * pstride, *p1 = p0 + pstride;
+            for (int64_t k = k0; k < k0 + AMX_PACK_ROWS; k += 2) {
+                __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+                if (k < K) a = _mm512_maskz_loadu_epi16(m, B + k * ldb + j);
+                if (k + 1 < K) b = _mm512_maskz_loadu_epi16(m, B + (k + 1) * ldb + j);
+                _mm512_storeu_si512(p0 + k * 16, _mm512_permutex2var_epi16(a, lo, b));
+                if (n > 16) _mm512_storeu_si512(p1 + k * 16, _mm512_permutex2var_epi16(a, hi, b));
+            }
         }
-    }
 }
 
 typedef struct {
@@ -303,6 +309,12 @@ void comera_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
 int comera_amx_usable(void) {
     return 0;
 }
+
+/* Rows in groups of AMX_PACK_ROWS, each group across all columns before
+ * the next: the group's rows are read front to back, a few streams the
+ * hardware prefetcher follows (a block of x comes from memory), and each
+ * panel gets AMX_PACK_ROWS / 2 consecutive 64-byte rows at a time. */
+#define AMX_PACK_ROWS 8
 
 int64_t comera_amx_packed_bytes(int64_t K, int64_t N) {
     (void)K;

@@ -35,6 +35,14 @@ void comera_gemm_packed_f64(int64_t M, int64_t N, int64_t K,
     }
 }
 
+/* B read in place (tail unused): the unpacked loop does that anyway. */
+void comera_gemm_rows_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t rsa,
+                          int64_t csa, const double *B, int64_t ldb, double *C, int64_t ldc,
+                          int accumulate, double *tail) {
+    (void)tail;
+    if (M > 0 && N > 0) gemm_unpacked(M, N, K, A, rsa, csa, B, ldb, 1, C, ldc, accumulate);
+}
+
 /* Every float64 product is unpacked: packing pays off only where a tuned
  * tile reads the panels. */
 int comera_gemm_f64(int64_t M, int64_t N, int64_t K,

@@ -40,7 +40,8 @@ void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at,
                   const void *Bp, void *C, int ct, int64_t ldc, int mode, float *scratch) {
     if (!comera_hgemm_amx(h)) {
         /* a float32 A is read in place, a 16-bit one widened */
-        comera_gemm_tiles(M, N, K, at, A, lda, 1, Bp, C, ct, ldc, mode, scratch);
+        comera_gemm_tiles(M, N, K, at, A, lda, 1, Bp, COMERA_GEMM_NR,
+                          (K > 0 ? K : 1) * COMERA_GEMM_NR, C, ct, ldc, mode, scratch);
         return;
     }
     if (at == COMERA_DT_BF16) {

@@ -90,14 +90,15 @@ static void row_pointers(const float **a, int rows, const float *A, int64_t rsa,
 
 #define GENERIC_MR 6
 static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                         const float *Bp, void *C, int64_t ldc, int mr, int nr,
-                         int accumulate, int ct) {
+                         const float *B, int64_t rsb, int64_t psb, void *C, int64_t ldc, int mr,
+                         int nr, int accumulate, int ct) {
+    (void)psb; /* one panel */
     const float *a[GENERIC_MR];
     row_pointers(a, GENERIC_MR, A, rsa, mr);
     float acc[GENERIC_MR][NR];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k++) {
-        const float *b = Bp + k * NR;
+        const float *b = B + k * rsb;
         for (int i = 0; i < GENERIC_MR; i++) {
             float s = a[i][k * csa];
             for (int j = 0; j < NR; j++) acc[i][j] += s * b[j];
@@ -163,7 +164,7 @@ static void pack_half_avx2(int dt, int64_t K, int64_t N, const uint16_t *B, int6
  * unrolled tile. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, int64_t csa,
-                             const float *Bp, void *C, int64_t ldc, int mr, int nr,
+                             const float *B, int64_t rsb, void *C, int64_t ldc, int mr, int nr,
                              int accumulate, int ct) {
     const float *a[AVX2_MR];
     row_pointers(a, ROWS, A, rsa, mr);
@@ -171,7 +172,7 @@ static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, i
 #pragma GCC unroll 6
     for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m256 b0 = _mm256_loadu_ps(Bp + k * NR), b1 = _mm256_loadu_ps(Bp + k * NR + 8);
+        __m256 b0 = _mm256_loadu_ps(B + k * rsb), b1 = _mm256_loadu_ps(B + k * rsb + 8);
         int64_t o = k * csa;
 #pragma GCC unroll 6
         for (int i = 0; i < ROWS; i++) {
@@ -215,11 +216,12 @@ static inline void avx2_rows(int ROWS, int64_t K, const float *A, int64_t rsa, i
  * whose last row would cost a whole 6-row tile). */
 __attribute__((target("avx2,fma,f16c")))
 static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                      const float *Bp, void *C, int64_t ldc, int mr, int nr,
-                      int accumulate, int ct) {
-    if (mr > 4) avx2_rows(6, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
-    else if (mr > 2) avx2_rows(4, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
-    else avx2_rows(2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+                      const float *B, int64_t rsb, int64_t psb, void *C, int64_t ldc, int mr,
+                      int nr, int accumulate, int ct) {
+    (void)psb; /* one panel */
+    if (mr > 4) avx2_rows(6, K, A, rsa, csa, B, rsb, C, ldc, mr, nr, accumulate, ct);
+    else if (mr > 2) avx2_rows(4, K, A, rsa, csa, B, rsb, C, ldc, mr, nr, accumulate, ct);
+    else avx2_rows(2, K, A, rsa, csa, B, rsb, C, ldc, mr, nr, accumulate, ct);
 }
 
 /* 16 floats to 16 bfloat16 / float16 values, rounded to nearest even */
@@ -276,17 +278,17 @@ static void pack_half_avx512(int dt, int64_t K, int64_t N, const uint16_t *B, in
  * PANELS, so each caller below is its own fully unrolled tile. */
 __attribute__((target("avx512f"), always_inline))
 static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, int64_t rsa,
-                               int64_t csa, const float *Bp, void *C, int64_t ldc, int mr,
-                               int nr, int accumulate, int ct) {
+                               int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C,
+                               int64_t ldc, int mr, int nr, int accumulate, int ct) {
     const float *a[AVX512_MR];
     row_pointers(a, ROWS, A, rsa, mr);
-    const float *B1 = Bp + K * NR;
+    const float *B1 = B + psb;
     __m512 c0[AVX512_MR], c1[AVX512_MR];
 #pragma GCC unroll 12
     for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        __m512 b0 = _mm512_loadu_ps(Bp + k * NR);
-        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * NR) : b0;
+        __m512 b0 = _mm512_loadu_ps(B + k * rsb);
+        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * rsb) : b0;
         int64_t o = k * csa;
 #pragma GCC unroll 12
         for (int i = 0; i < ROWS; i++) {
@@ -327,6 +329,25 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
         }
         return;
     }
+    if (ct == COMERA_DT_F32) {
+        /* a float32 tile's first mr rows and nr columns, by masked stores
+         * (a rank of 30 makes every tile of x V and dy U^T 30 wide) */
+        __mmask16 m0 = (__mmask16)(nr >= NR ? 0xffff : (1u << nr) - 1);
+        __mmask16 m1 = (__mmask16)(nr >= 2 * NR ? 0xffff : nr > NR ? (1u << (nr - NR)) - 1 : 0);
+        float *Cf = C;
+#pragma GCC unroll 12
+        for (int i = 0; i < ROWS; i++) {
+            if (i >= mr) break;
+            float *ci = Cf + i * ldc;
+            if (accumulate == COMERA_GEMM_ADD) {
+                c0[i] = _mm512_add_ps(c0[i], _mm512_maskz_loadu_ps(m0, ci));
+                if (PANELS == 2) c1[i] = _mm512_add_ps(c1[i], _mm512_maskz_loadu_ps(m1, ci + NR));
+            }
+            _mm512_mask_storeu_ps(ci, m0, c0[i]);
+            if (PANELS == 2) _mm512_mask_storeu_ps(ci + NR, m1, c1[i]);
+        }
+        return;
+    }
     float tile[AVX512_MR * 2 * NR];
 #pragma GCC unroll 12
     for (int i = 0; i < ROWS; i++) {
@@ -336,24 +357,27 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
     store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate, ct);
 }
 
-/* Up to 12 rows and 32 columns (columns 16..31 from the next panel, Bp +
+/* Up to 12 rows and 32 columns (columns 16..31 from the next panel, B +
  * 16 * K; packing pads a last partial panel with zeros).  A short tile runs
  * on 8 or 4 rows: the weight-gradient products have M = rank or rank + 1
  * rows (17 would cost 24 rows of 12-row tiles, 20 with 12 + 8). */
 __attribute__((target("avx512f")))
 static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                        const float *Bp, void *C, int64_t ldc, int mr, int nr,
-                        int accumulate, int ct) {
+                        const float *B, int64_t rsb, int64_t psb, void *C, int64_t ldc, int mr,
+                        int nr, int accumulate, int ct) {
     int panels = nr <= NR ? 1 : 2;
     if (mr > 8) {
-        if (panels == 1) avx512_rows(12, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
-        else avx512_rows(12, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+        if (panels == 1)
+            avx512_rows(12, 1, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
+        else avx512_rows(12, 2, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
     } else if (mr > 4) {
-        if (panels == 1) avx512_rows(8, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
-        else avx512_rows(8, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+        if (panels == 1)
+            avx512_rows(8, 1, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
+        else avx512_rows(8, 2, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
     } else {
-        if (panels == 1) avx512_rows(4, 1, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
-        else avx512_rows(4, 2, K, A, rsa, csa, Bp, C, ldc, mr, nr, accumulate, ct);
+        if (panels == 1)
+            avx512_rows(4, 1, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
+        else avx512_rows(4, 2, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
     }
 }
 #endif

@@ -25,11 +25,14 @@
 #define COMERA_AMX_VARIANT 1
 #endif
 
-/* C has elements of type ct (COMERA_DT_F32, _BF16 or _F16), ldc counted in
- * them; accumulate (COMERA_GEMM_ADD) only for float32. */
+/* B: element (k, j) of the tile's first 16 columns at B[k * rsb + j], of
+ * the next 16 at B[psb + k * rsb + j]: packed panels (rsb 16, psb 16 K) or
+ * a row-major B read in place (rsb its row stride, psb 16).  C has
+ * elements of type ct (COMERA_DT_F32, _BF16 or _F16), ldc counted in them;
+ * accumulate (COMERA_GEMM_ADD) only for float32. */
 typedef void (*comera_tile_f32)(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                                const float *Bp, void *C, int64_t ldc, int mr, int nr,
-                                int accumulate, int ct);
+                                const float *B, int64_t rsb, int64_t psb, void *C, int64_t ldc,
+                                int mr, int nr, int accumulate, int ct);
 
 /* dst[0..n) = src[0..n) widened from bfloat16 or float16 (dt) to float32. */
 typedef void (*comera_widen_fn)(int dt, const uint16_t *src, float *dst, int64_t n);
@@ -75,15 +78,16 @@ void comera_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
 /* dst[0..n) = src[0..n) rounded to bfloat16 (VCVTNE2PS2BF16). */
 void comera_amx_narrow(const float *src, uint16_t *dst, int64_t n);
 
-/* The tile loops of the packed products (common/gemm.c): C (M x N, element
- * type ct) = A Bp (or += under COMERA_GEMM_ADD) on the variant's float32
- * tiles, Bp packed as float32 panels.  A float32 A (at COMERA_DT_F32) is
- * read in place through its strides; a 16-bit one (at COMERA_DT_BF16 or
- * _F16, row-major: csa 1) is widened a row group at a time into scratch
- * (mr x K floats). */
+/* The tile loops of the products (common/gemm.c): C (M x N, element type
+ * ct) = A B (or += under COMERA_GEMM_ADD) on the variant's float32 tiles,
+ * B float32 seen as the tiles see it (rsb, psb: packed panels, or whole
+ * panels of a row-major B in place; comera_tile_f32).  A float32 A (at
+ * COMERA_DT_F32) is read in place through its strides; a 16-bit one (at
+ * COMERA_DT_BF16 or _F16, row-major: csa 1) is widened a row group at a
+ * time into scratch (mr x K floats). */
 void comera_gemm_tiles(int64_t M, int64_t N, int64_t K, int at, const void *A, int64_t rsa,
-                       int64_t csa, const float *Bp, void *C, int ct, int64_t ldc, int mode,
-                       float *scratch);
+                       int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C, int ct,
+                       int64_t ldc, int mode, float *scratch);
 
 /* The variant in use; the first call decides, later calls return the same. */
 const comera_gemm_variant *comera_gemm_variant_in_use(void);

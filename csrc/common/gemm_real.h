@@ -26,6 +26,13 @@ static inline void gemm_packed(int64_t M, int64_t N, int64_t K, const REAL *A, i
         M, N, K, A, rsa, csa, Bp, C, ldc, accumulate);
 }
 
+static inline void gemm_rows(int64_t M, int64_t N, int64_t K, const REAL *A, int64_t rsa,
+                             int64_t csa, const REAL *B, int64_t ldb, REAL *C, int64_t ldc,
+                             int accumulate, REAL *tail) {
+    _Generic((REAL)0, float: comera_gemm_rows_f32, double: comera_gemm_rows_f64)(
+        M, N, K, A, rsa, csa, B, ldb, C, ldc, accumulate, tail);
+}
+
 static inline void gemm_pack_b(int64_t K, int64_t N, const REAL *B, int64_t rsb, int64_t csb,
                                REAL *packed) {
     _Generic((REAL)0, float: comera_gemm_pack_b_f32, double: comera_gemm_pack_b_f64)(

@@ -193,18 +193,16 @@ static int fwd_merge(const tt_shape *s, int64_t batch, const REAL *x,
 /* One row block of the merge backward, on one thread's workspace:
  *   S = dy U^T, dx = S V^T, dU += [T | 1]^T dy, dV^T += S^T x.
  * The column of ones turns the bias gradient (column sums of dy) into one
- * more row of the dU product.  dy and x rows lie a power-of-two-ish stride
- * apart, which maps a column strip of them onto one cache set, so each block
- * is packed into 16-column panels (contiguous, L1-resident per panel) before
- * the weight-gradient products read it; the block is still in L2 from the
- * S product (measured: reading dy in place instead, features as rows, was
- * up to 1.4x slower at rank 64, docs/design.md section 5). */
+ * more row of the dU product.  The weight-gradient products read the dy
+ * and x blocks in place, as rows of B (comera_gemm_rows_*): the blocks are
+ * still in L2 from the S product, and packing them into panels first was a
+ * pass of its own (docs/design.md section 5). */
 typedef struct {
     REAL *dUe; /* (r + 1) x out: d(U), last row d(bias) */
     REAL *dVt; /* r x in: d(V)^T */
     REAL *S;   /* rb x r */
     REAL *Te;  /* rb x (r + 1): [T | 1] */
-    REAL *Bp;  /* a dy or x block packed */
+    REAL *Bp;  /* the last N % 16 columns of a dy or x block, packed */
     int dxmode; /* how dx is stored (comera_gemm_store_mode) */
     const REAL *U; /* when not NULL: S by the dot kernel from U (r x out) */
 } bwd_ws;
@@ -213,18 +211,16 @@ static void bwd_block(const tt_shape *s, int64_t nr, const REAL *dyb, const REAL
                       const REAL *tb, const REAL *UTp, const REAL *VTp, REAL *dxb,
                       const bwd_ws *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
-    /* the dot kernel packs the dy block for dU as it reads it */
-    if (w->U) gemm_dot(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm, w->Bp);
+    if (w->U) gemm_dot(nr, rm, out, dyb, out, w->U, s->out_pad, w->S, rm, NULL);
     else gemm_packed(nr, rm, out, dyb, out, 1, UTp, w->S, rm, 0);
     if (dxb) gemm_packed(nr, in, rm, w->S, rm, 1, VTp, dxb, in, w->dxmode);
     for (int64_t i = 0; i < nr; i++) {
         memcpy(w->Te + i * re, tb + i * rm, sizeof(REAL) * (size_t)rm);
         w->Te[i * re + rm] = 1;
     }
-    if (!w->U) gemm_pack_b(nr, out, dyb, out, 1, w->Bp);
-    gemm_packed(re, out, nr, w->Te, 1, re, w->Bp, w->dUe, out, 1);
-    gemm_pack_b(nr, in, xb, in, 1, w->Bp);
-    gemm_packed(rm, in, nr, w->S, 1, rm, w->Bp, w->dVt, in, 1);
+    /* dy and x rows read in place: packing them was a pass of its own */
+    gemm_rows(re, out, nr, w->Te, 1, re, dyb, out, w->dUe, out, 1, w->Bp);
+    gemm_rows(rm, in, nr, w->S, 1, rm, xb, in, w->dVt, in, 1, w->Bp);
 }
 
 static int bwd_merge(const tt_shape *s, int64_t batch, const REAL *dy,
@@ -235,8 +231,7 @@ static int bwd_merge(const tt_shape *s, int64_t batch, const REAL *dy,
     int64_t rb = comera_tt_row_block(s);
     int64_t blocks = (batch + rb - 1) / rb;
     int nt = comera_threads_for_items(nthreads, blocks);
-    int64_t per = out * re + in * rm + rb * rm + rb * re +
-                  comera_gemm_packed_size(rb, in > out ? in : out);
+    int64_t per = out * re + in * rm + rb * rm + rb * re + comera_gemm_packed_size(rb, 1);
     /* S by the dot kernel reads U itself: no packed U^T then */
     int dot = gemm_dot_wins(rm);
     /* eff, deff, P, dP, UTp, VTp, per-thread ws: one reused block */

@@ -117,6 +117,39 @@ static void stream_case(lcg_t *g, int64_t M, int64_t N, int64_t K, int64_t ldc, 
     free(A); free(B); free(Bp); free(C0); free(C1); free(t);
 }
 
+/* comera_gemm_rows_* (B row-major, read in place; its last N % 16 columns
+ * through a packed tail) against the reference: A transposed, as the TT
+ * weight gradients read it, C stored or added to, sentinels after each row
+ * of C and of B. */
+static void rows_case(lcg_t *g, int64_t M, int64_t N, int64_t K, int acc) {
+    int64_t ldb = N + 3, ldc = N + 2;
+    double *A = dalloc(K * M), *B = dalloc(K * ldb), *C = dalloc(M * ldc), *R = dalloc(M * ldc);
+    double *out = dalloc(M * ldc), *tail = dalloc(16 * K);
+    float *Af = falloc(K * M), *Bf = falloc(K * ldb), *Cf = falloc(M * ldc), *tf = falloc(16 * K);
+    fill_uniform(g, A, K * M, -1, 1);
+    fill_uniform(g, B, K * ldb, -1, 1);
+    fill_uniform(g, C, M * ldc, -1, 1);
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t j = N; j < ldb; j++) B[k * ldb + j] = NAN; /* never read */
+    to_float(A, Af, K * M); to_double(Af, A, K * M);
+    to_float(B, Bf, K * ldb); to_double(Bf, B, K * ldb);
+    to_float(C, Cf, M * ldc); to_double(Cf, C, M * ldc);
+    memcpy(R, C, sizeof(double) * (size_t)(M * ldc));
+    ref_gemm(M, N, K, A, 1, M, B, ldb, 1, R, ldc, acc, NULL);
+    memcpy(out, C, sizeof(double) * (size_t)(M * ldc));
+    comera_gemm_rows_f64(M, N, K, A, 1, M, B, ldb, out, ldc, acc, tail);
+    comera_gemm_rows_f32(M, N, K, Af, 1, M, Bf, ldb, Cf, ldc, acc, tf);
+    double e64 = rel_err(out, R, M * ldc), e32;
+    to_double(Cf, out, M * ldc);
+    e32 = rel_err(out, R, M * ldc);
+    group_note_err(e64);
+    group_note_err32(e32);
+    check(e64 <= 1e-13 && e32 <= 1e-5, "rows M=%lld N=%lld K=%lld acc=%d: f64 %.3g f32 %.3g",
+          (long long)M, (long long)N, (long long)K, acc, e64, e32);
+    free(A); free(B); free(C); free(R); free(out); free(tail); free(Af); free(Bf); free(Cf);
+    free(tf);
+}
+
 /* comera_gemm_dot_* (C = A Bt^T, both read along K) against the reference,
  * in strided rows (lda, ldb, ldc wider than K and N), with sentinels after
  * each row of C: every tile size (1..3 rows, 1..4 columns) and the masked
@@ -220,6 +253,14 @@ void test_gemm(void) {
         for (int b = 0; b < 2; b++)
             for (int c = 0; c < 3; c++)
                 for (int acc = 0; acc < 2; acc++) gemm_case(&g, SM[a], SN[b], SK[c], 0, (a + c) % 3, acc);
+    group_end();
+
+    group_begin("gemm with B read in place");
+    static const int64_t RM[] = {1, 7, 11, 31}, RN[] = {1, 15, 16, 17, 32, 47, 768};
+    static const int64_t RK[] = {0, 1, 48, 84};
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 7; b++)
+            for (int c = 0; c < 4; c++) rows_case(&g, RM[a], RN[b], RK[c], (a + b + c) % 2);
     group_end();
 
     group_begin("gemm dot products vs naive");
