@@ -242,6 +242,7 @@ class _DropConvertLogs(logging.Filter):
     def filter(self, record):
         return not record.getMessage().startswith("comera.convert")
 
+
 def _convert_by_record(model: nn.Module, layers: Dict[str, dict]) -> None:
     """Converts the model's dense layers that the record names (layers it
     lacks are left out: their stored tensors are reported as unexpected),

@@ -50,10 +50,11 @@ def _pad_to(new_num_tokens: Optional[int], pad_to_multiple_of, current: int) -> 
 def _rest(emb: TTEmbedding) -> torch.Tensor:
     """``R[r, j, a]``: the product of cores 1.. (with their gates, and gate 0
     on the first index) for every row index ``j`` of the trailing row modes
-    and every trailing dim index ``a``, in float64.  Row ``(i, j)`` of the
+    and every trailing dim index ``a``, in float64 on the CPU (the fits below
+    solve there).  Row ``(i, j)`` of the
     table is ``sum_r cores[0][0, i, a0, r] * R[r, j, a]``."""
-    cores = [c.detach().to(torch.float64) for c in emb.cores]
-    gates = [g.detach().to(torch.float64) for g in emb.gates]
+    cores = [c.detach().to("cpu", torch.float64) for c in emb.cores]
+    gates = [g.detach().to("cpu", torch.float64) for g in emb.gates]
     t = cores[1] * gates[0].view(-1, 1, 1, 1)
     for core, gate in zip(cores[2:], gates[1:]):
         a, v, e, r = t.shape
@@ -74,7 +75,7 @@ def _fit_added_slices(emb: TTEmbedding, added: List[int], old_rows: int, mean_re
         fresh = torch.randn(core.shape[0], len(added), *core.shape[2:], dtype=torch.float64) * std
         core.data[:, added[0]:added[-1] + 1] = fresh.to(device=core.device, dtype=core.dtype)
         return
-    mean = emb.weight.detach()[:old_rows].to(torch.float64).mean(0)
+    mean = emb.weight.detach()[:old_rows].to("cpu", torch.float64).mean(0)
     R = _rest(emb)                                   # (r, rows per slice, trailing dims)
     per_slice, tail = R.shape[1], R.shape[2]
     e0 = core.shape[2]
@@ -128,15 +129,15 @@ def _fit_added_out_slices(layer: TTLinear, added: List[int], old_rows: int, mean
         fresh = torch.randn(core.shape[0], len(added), core.shape[2], dtype=torch.float64) * std
         core.data[:, added[0]:added[-1] + 1] = fresh.to(device=core.device, dtype=core.dtype)
         return
-    cores = [c.detach().to(torch.float64) for c in layer.cores]
-    gates = [g.detach().to(torch.float64) for g in layer.gates]
+    cores = [c.detach().to("cpu", torch.float64) for c in layer.cores]
+    gates = [g.detach().to("cpu", torch.float64) for g in layer.gates]
     L = merge(cores[:p], gates[:p])[:layer.in_features]                     # (in, r_left)
     if p + 1 < len(cores):
         R = merge(cores[p + 1:], gates[p + 1:]).reshape(core.shape[2], -1)  # (r_right, rest)
     else:
         R = torch.ones(1, 1, dtype=torch.float64)
     g = gates[p] if p < len(gates) else torch.ones(core.shape[2], dtype=torch.float64)
-    mean = layer.weight.detach()[:old_rows].to(torch.float64).mean(0)       # over output rows
+    mean = layer.weight.detach()[:old_rows].to("cpu", torch.float64).mean(0)  # over output rows
     Lp = torch.linalg.pinv(L)
     for k in added:
         rows = min(R.shape[1], layer.out_features - k * R.shape[1])
