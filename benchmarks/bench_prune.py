@@ -89,7 +89,8 @@ def costs(layer, rows, flops_rate, bw):
     plan = layer.plan(rows)
     c = plan[plan["path"]]
     return {"path": plan["path"], "flops": c["flops"], "bytes": c["bytes"],
-            "roofline_s": max(c["flops"] / flops_rate, c["bytes"] / bw)}
+            "roofline_s": max(c["flops"] / flops_rate, c["bytes"] / bw),
+            "kernel": plan["kernel"], "plan_seconds": plan["seconds"]}
 
 
 def time_row(rows, rank, live, reps, flops_rate, bw):
@@ -172,6 +173,10 @@ def markdown(payload, args):
     md = [f"# Pruning: TTLinear 768 -> 3072, rank {args.rank} -> live rank {args.live}, "
           "forward+backward, CPU, float32\n",
           machine_line(payload["machine"]),
+          f"comera's kernel variant: {payload['cases'][0]['full']['kernel']}; predicted "
+          "(plan()['seconds']) full / pruned ms: "
+          + ", ".join(f"{c['full']['plan_seconds'] * 1e3:.1f} / {c['pruned']['plan_seconds'] * 1e3:.1f}"
+                      for c in payload["cases"]) + ".\n",
           "Wall clock, median [interquartile range] of interleaved rounds (full, masked, pruned and "
           "floor timed round-robin in one process). Masked: dead ranks zeroed but still computed "
           "(no pruning). Ratios are full / pruned (of the medians); roofline = max(plan flops / "
