@@ -220,7 +220,7 @@ def test_get_and_set_embeddings_and_the_hook():
 
 def test_gradient_checkpointing_with_input_require_grads_reaches_the_cores():
     model = _model()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model.enable_input_require_grads()
     model.train()
     ids = _ids(V)
