@@ -175,7 +175,8 @@ class TTLinear(TTLayerMixin, nn.Module):
         whether such calls run in comera's kernels or torch's BLAS
         (:mod:`comera.ops.route`).  ``"kernel"`` names the CPU micro-kernel
         variant that runs the products in this process (``generic``,
-        ``avx2``, ``avx512``, or ``amx``: AMX tiles for bfloat16) and
+        ``avx2``, ``avx512``, ``amx``: AMX tiles for bfloat16, or
+        ``avx512bf16``: VDPBF16PS tiles for bfloat16) and
         ``"seconds"`` the planner's predicted time of one forward + backward
         on it with ``"threads"`` threads.
 

@@ -11,7 +11,7 @@ PATHS = {"auto": 0, "merge": 1, "sequential": 2}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 # COMERA_DT_* (comera/dtype.h) and COMERA_KERNEL_* (comera/tt_linear.h)
 DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
-KERNELS = ("generic", "avx2", "avx512", "amx")
+KERNELS = ("generic", "avx2", "avx512", "amx", "avx512bf16")
 
 
 def tt_linear_plan(in_modes: List[int], out_modes: List[int], ranks: List[int],
@@ -19,7 +19,8 @@ def tt_linear_plan(in_modes: List[int], out_modes: List[int], ranks: List[int],
                    dtype: torch.dtype = torch.float32, threads: Optional[int] = None) -> dict:
     """The C planner's costs for ``batch`` rows of ``dtype`` on ``threads``
     threads (default: torch's), as a dict: the path, the CPU kernel variant
-    that runs it in this process (``generic``, ``avx2``, ``avx512``, ``amx``),
+    that runs it in this process (``generic``, ``avx2``, ``avx512``, ``amx``,
+    ``avx512bf16``),
     and for each path its FLOPs, bytes and predicted seconds on that kernel.
 
     Example:

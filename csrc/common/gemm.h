@@ -17,16 +17,16 @@
 extern "C" {
 #endif
 
-/* The micro-kernel variant in use: "amx", "avx512", "avx2" or "generic".
- * Chosen once per process: the best the CPU runs, or the one the COMERA_ISA
- * environment variable names (amx|avx512|avx2|generic|auto; one the CPU
+/* The micro-kernel variant in use: "amx", "avx512bf16", "avx512", "avx2" or
+ * "generic".  Chosen once per process: the best the CPU runs, or the one the
+ * COMERA_ISA environment variable names (those names or auto; one the CPU
  * cannot run, or an unknown name, warns on stderr and falls back to the
- * best).  amx runs the avx512 tiles for float32 and float16 and AMX tiles
- * for bfloat16 products. */
+ * best).  amx and avx512bf16 run the avx512 tiles for float32 and float16,
+ * and bfloat16 products on AMX tiles and VDPBF16PS tiles respectively. */
 const char *comera_gemm_variant_name(void);
 
-/* The float32 micro-kernel of that variant: "avx512" (also under amx),
- * "avx2" or "generic". */
+/* The float32 micro-kernel of that variant: "avx512" (also under amx and
+ * avx512bf16), "avx2" or "generic". */
 const char *comera_gemm_isa(void);
 
 /* The kernel that runs products of element type dtype (COMERA_DT_*,

@@ -1,60 +1,62 @@
-/* The drivers of the 16-bit products (common/gemm_half.h): the AMX kernel
- * for bfloat16 under the amx variant (common/gemm_amx.c), else the
- * variant's float32 tile over widened rows of A and float32 panels of B. */
+/* The drivers of the 16-bit products (common/gemm_half.h): the variant's
+ * bfloat16-pair kernel for bfloat16 (AMX tiles under amx, VDPBF16PS tiles
+ * under avx512bf16), else its float32 tile over widened rows of A and
+ * float32 panels of B. */
 #include "common/gemm_half.h"
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
 
-int comera_hgemm_amx(int h) {
-    return h == COMERA_DT_BF16 && comera_gemm_variant_in_use()->amx;
+int comera_hgemm_pairs(int h) {
+    return h == COMERA_DT_BF16 && comera_gemm_variant_in_use()->pairs != NULL;
 }
 
 int64_t comera_hgemm_packed_bytes(int h, int64_t K, int64_t N) {
-    if (comera_hgemm_amx(h)) return comera_amx_packed_bytes(K, N);
+    if (comera_hgemm_pairs(h)) return comera_amx_packed_bytes(K, N);
     return comera_gemm_packed_size(K, N) * (int64_t)sizeof(float);
 }
 
 void comera_hgemm_pack_f32(int h, int64_t K, int64_t N, const float *B, int64_t rsb,
                            int64_t csb, void *packed) {
-    if (comera_hgemm_amx(h)) comera_amx_pack_f32(K, N, B, rsb, csb, packed);
+    if (comera_hgemm_pairs(h)) comera_amx_pack_f32(K, N, B, rsb, csb, packed);
     else comera_gemm_pack_b_f32(K, N, B, rsb, csb, packed);
 }
 
 void comera_hgemm_pack_half(int h, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
                             void *packed) {
-    if (comera_hgemm_amx(h)) comera_amx_pack_bf16(K, N, B, ldb, packed);
+    if (comera_hgemm_pairs(h)) comera_amx_pack_bf16(K, N, B, ldb, packed);
     else comera_gemm_variant_in_use()->pack_half(h, K, N, B, ldb, packed);
 }
 
-/* AMX: 32 rows of a float32 A rounded to bfloat16; the float32 tiles: a
- * row group of A widened to float32. */
-#define AMX_ROWS 32
+/* The pair kernels: 32 rows of a float32 A rounded to bfloat16; the float32
+ * tiles: a row group of A widened to float32. */
+#define PAIR_ROWS 32
 
 int64_t comera_hgemm_scratch(int h, int64_t K) {
     int64_t k = K > 0 ? K : 1;
-    if (comera_hgemm_amx(h)) return AMX_ROWS * k / 2 + 1;
+    if (comera_hgemm_pairs(h)) return PAIR_ROWS * k / 2 + 1;
     return (int64_t)comera_gemm_variant_in_use()->mr * k;
 }
 
 void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at, int64_t lda,
                   const void *Bp, void *C, int ct, int64_t ldc, int mode, float *scratch) {
-    if (!comera_hgemm_amx(h)) {
+    if (!comera_hgemm_pairs(h)) {
         /* a float32 A is read in place, a 16-bit one widened */
         comera_gemm_tiles(M, N, K, at, A, lda, 1, Bp, COMERA_GEMM_NR,
                           (K > 0 ? K : 1) * COMERA_GEMM_NR, C, ct, ldc, mode, scratch);
         return;
     }
+    comera_pairs_gemm pairs = comera_gemm_variant_in_use()->pairs;
     if (at == COMERA_DT_BF16) {
-        comera_amx_gemm(M, N, K, A, lda, Bp, C, ct, ldc, mode);
+        pairs(M, N, K, A, lda, Bp, C, ct, ldc, mode);
         return;
     }
     /* a float32 A, 32 rows at a time through a bfloat16 copy */
     int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
     uint16_t *rows = (uint16_t *)scratch;
-    for (int64_t i0 = 0; i0 < M; i0 += AMX_ROWS) {
-        int64_t mr = M - i0 < AMX_ROWS ? M - i0 : AMX_ROWS;
+    for (int64_t i0 = 0; i0 < M; i0 += PAIR_ROWS) {
+        int64_t mr = M - i0 < PAIR_ROWS ? M - i0 : PAIR_ROWS;
         for (int64_t i = 0; i < mr; i++)
             comera_amx_narrow((const float *)A + (i0 + i) * lda, rows + i * K, K);
-        comera_amx_gemm(mr, N, K, rows, K, Bp, (char *)C + i0 * ldc * esize, ct, ldc, mode);
+        pairs(mr, N, K, rows, K, Bp, (char *)C + i0 * ldc * esize, ct, ldc, mode);
     }
 }

@@ -2,9 +2,10 @@
  * operands of a 16-bit type h (COMERA_DT_BF16 or COMERA_DT_F16), float32
  * accumulation, outputs written as h (rounded once, in registers) or as
  * float32.  Which kernel runs them is the micro-kernel variant's choice
- * (common/gemm_isa.c): bfloat16 under amx on AMX tiles (B packed as
- * bfloat16 pairs), everything else on the variant's float32 tile, with A
- * widened a row group at a time and B packed as float32 panels.  Callers
+ * (common/gemm_isa.c): bfloat16 under amx on AMX tiles, under avx512bf16 on
+ * VDPBF16PS tiles (B packed as bfloat16 pairs for both), everything else on
+ * the variant's float32 tile, with A widened a row group at a time and B
+ * packed as float32 panels.  Callers
  * see one packed format per h; they never make a float32 copy of a 16-bit
  * input or output.  Single-threaded, like common/gemm.h. */
 #ifndef COMERA_GEMM_HALF_H
@@ -14,8 +15,9 @@
 
 #include "comera/dtype.h"
 
-/* 1 when products of type h run on AMX tiles in this process. */
-int comera_hgemm_amx(int h);
+/* 1 when products of type h run on a bfloat16-pair kernel (AMX or
+ * VDPBF16PS tiles) in this process, with B packed in bfloat16 pairs. */
+int comera_hgemm_pairs(int h);
 
 /* Bytes of a K x N operand packed for products of type h. */
 int64_t comera_hgemm_packed_bytes(int h, int64_t K, int64_t N);

@@ -19,6 +19,10 @@
  *   generic  6 x 16 in plain C (SSE2 on x86-64 after vectorisation).
  *   amx      the avx512 tiles for float32 and float16; bfloat16 products
  *            on AMX tiles (common/gemm_amx.c).
+ *   avx512bf16  the avx512 tiles for float32 and float16; bfloat16 products
+ *            on 12 x 32 VDPBF16PS tiles (each instruction a pair of
+ *            products along K: twice the float32 tile's multiply-adds),
+ *            for CPUs with AVX512-BF16 but no AMX.
  *
  * Every tile writes its C as float32 or, rounded in registers on the way
  * out, as bfloat16 or float16 (the 16-bit kernels' outputs: no float32
@@ -273,30 +277,13 @@ static void pack_half_avx512(int dt, int64_t K, int64_t N, const uint16_t *B, in
 }
 
 #define AVX512_MR 12
-/* The AVX-512 tile for ROWS rows of A and PANELS (1 or 2) packed panels:
- * ROWS x PANELS zmm accumulators.  Always inlined with constant ROWS and
- * PANELS, so each caller below is its own fully unrolled tile. */
+/* Writes an AVX-512 tile's ROWS x PANELS accumulators, c0 (columns 0..15)
+ * and c1 (16..31), to C: its first mr rows and nr columns, as float32
+ * (stored, added to or streamed) or rounded to a 16-bit ct.  Always inlined
+ * with constant ROWS and PANELS, so the accumulators stay in registers. */
 __attribute__((target("avx512f"), always_inline))
-static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, int64_t rsa,
-                               int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C,
-                               int64_t ldc, int mr, int nr, int accumulate, int ct) {
-    const float *a[AVX512_MR];
-    row_pointers(a, ROWS, A, rsa, mr);
-    const float *B1 = B + psb;
-    __m512 c0[AVX512_MR], c1[AVX512_MR];
-#pragma GCC unroll 12
-    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m512 b0 = _mm512_loadu_ps(B + k * rsb);
-        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * rsb) : b0;
-        int64_t o = k * csa;
-#pragma GCC unroll 12
-        for (int i = 0; i < ROWS; i++) {
-            __m512 s = _mm512_set1_ps(a[i][o]);
-            c0[i] = _mm512_fmadd_ps(s, b0, c0[i]);
-            if (PANELS == 2) c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
-        }
-    }
+static inline void avx512_store(int ROWS, int PANELS, __m512 *c0, __m512 *c1, void *C,
+                                int64_t ldc, int mr, int nr, int accumulate, int ct) {
     /* streaming stores write whole aligned lines without reading them
      * first: a float32 row of one panel, a 16-bit row of two */
     int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
@@ -357,6 +344,33 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
     store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate, ct);
 }
 
+/* The AVX-512 tile for ROWS rows of A and PANELS (1 or 2) packed panels:
+ * ROWS x PANELS zmm accumulators.  Always inlined with constant ROWS and
+ * PANELS, so each caller below is its own fully unrolled tile. */
+__attribute__((target("avx512f"), always_inline))
+static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, int64_t rsa,
+                               int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C,
+                               int64_t ldc, int mr, int nr, int accumulate, int ct) {
+    const float *a[AVX512_MR];
+    row_pointers(a, ROWS, A, rsa, mr);
+    const float *B1 = B + psb;
+    __m512 c0[AVX512_MR], c1[AVX512_MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 b0 = _mm512_loadu_ps(B + k * rsb);
+        __m512 b1 = PANELS == 2 ? _mm512_loadu_ps(B1 + k * rsb) : b0;
+        int64_t o = k * csa;
+#pragma GCC unroll 12
+        for (int i = 0; i < ROWS; i++) {
+            __m512 s = _mm512_set1_ps(a[i][o]);
+            c0[i] = _mm512_fmadd_ps(s, b0, c0[i]);
+            if (PANELS == 2) c1[i] = _mm512_fmadd_ps(s, b1, c1[i]);
+        }
+    }
+    avx512_store(ROWS, PANELS, c0, c1, C, ldc, mr, nr, accumulate, ct);
+}
+
 /* Up to 12 rows and 32 columns (columns 16..31 from the next panel, B +
  * 16 * K; packing pads a last partial panel with zeros).  A short tile runs
  * on 8 or 4 rows: the weight-gradient products have M = rank or rank + 1
@@ -382,25 +396,107 @@ static void tile_avx512(int64_t K, const float *A, int64_t rsa, int64_t csa,
 }
 #endif
 
+#ifdef COMERA_AMX_VARIANT
+/* The avx512bf16 tile for ROWS rows of A and PANELS (1 or 2) panels: A
+ * bfloat16 rows (row stride lda), two consecutive elements broadcast as one
+ * 32-bit lane; B packed in bfloat16 pairs (common/gemm_amx.c's layout,
+ * pstride elements from a panel to the next); an odd K's last element
+ * pairs with zero. */
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
+static inline void dpbf16_step(int ROWS, int PANELS, int LAST, const uint16_t *const *a,
+                               int64_t kk, const uint16_t *Bp, int64_t pstride, __m512 *c0,
+                               __m512 *c1) {
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bp + kk * 32);
+    __m512bh b1 = PANELS == 2 ? (__m512bh)_mm512_loadu_si512(Bp + pstride + kk * 32) : b0;
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; i++) {
+        /* a whole pair is one broadcast straight from memory; an odd K's
+         * last element alone */
+        int32_t pair = a[i][2 * kk];
+        if (!LAST) memcpy(&pair, a[i] + 2 * kk, sizeof pair);
+        __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
+        c0[i] = _mm512_dpbf16_ps(c0[i], s, b0);
+        if (PANELS == 2) c1[i] = _mm512_dpbf16_ps(c1[i], s, b1);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
+static inline void dpbf16_rows(int ROWS, int PANELS, int64_t K, const uint16_t *A, int64_t lda,
+                               const uint16_t *Bp, int64_t pstride, void *C, int64_t ldc, int mr,
+                               int nr, int accumulate, int ct) {
+    const uint16_t *a[AVX512_MR];
+    for (int i = 0; i < ROWS; i++) a[i] = A + (i < mr ? i : mr - 1) * lda;
+    __m512 c0[AVX512_MR], c1[AVX512_MR];
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    int64_t kk = 0;
+    for (; kk < K / 2; kk++) dpbf16_step(ROWS, PANELS, 0, a, kk, Bp, pstride, c0, c1);
+    if (K % 2) dpbf16_step(ROWS, PANELS, 1, a, kk, Bp, pstride, c0, c1);
+    avx512_store(ROWS, PANELS, c0, c1, C, ldc, mr, nr, accumulate, ct);
+}
+
+/* 12, 8 or 4 rows, one or two panels, as tile_avx512. */
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void tile_dpbf16(int64_t K, const uint16_t *A, int64_t lda, const uint16_t *Bp,
+                        int64_t pstride, void *C, int64_t ldc, int mr, int nr, int accumulate,
+                        int ct) {
+    int panels = nr <= NR ? 1 : 2;
+    if (mr > 8) {
+        if (panels == 1) dpbf16_rows(12, 1, K, A, lda, Bp, pstride, C, ldc, mr, nr, accumulate, ct);
+        else dpbf16_rows(12, 2, K, A, lda, Bp, pstride, C, ldc, mr, nr, accumulate, ct);
+    } else if (mr > 4) {
+        if (panels == 1) dpbf16_rows(8, 1, K, A, lda, Bp, pstride, C, ldc, mr, nr, accumulate, ct);
+        else dpbf16_rows(8, 2, K, A, lda, Bp, pstride, C, ldc, mr, nr, accumulate, ct);
+    } else {
+        if (panels == 1) dpbf16_rows(4, 1, K, A, lda, Bp, pstride, C, ldc, mr, nr, accumulate, ct);
+        else dpbf16_rows(4, 2, K, A, lda, Bp, pstride, C, ldc, mr, nr, accumulate, ct);
+    }
+}
+
+/* The bfloat16 product of the avx512bf16 variant (comera_pairs_gemm): row
+ * groups of 12, then tiles across C.  B (a TT factor, or a row block of x
+ * or dy) stays in L2 while the row groups pass. */
+static void gemm_dpbf16(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                        const uint16_t *Bp, void *C, int ct, int64_t ldc, int mode) {
+    int64_t pstride = comera_amx_packed_bytes(K, NR) / 2, esize = ct == COMERA_DT_F32 ? 4 : 2;
+    for (int64_t i0 = 0; i0 < M; i0 += AVX512_MR) {
+        int mr = (int)(M - i0 < AVX512_MR ? M - i0 : AVX512_MR);
+        for (int64_t j0 = 0; j0 < N; j0 += 2 * NR) {
+            int nr = (int)(N - j0 < 2 * NR ? N - j0 : 2 * NR);
+            tile_dpbf16(K, A + i0 * lda, lda, Bp + (j0 / NR) * pstride, pstride,
+                        (char *)C + (i0 * ldc + j0) * esize, ldc, mr, nr, mode, ct);
+        }
+    }
+    if (mode == COMERA_GEMM_STREAM) _mm_sfence();
+}
+#endif
+
 /* Best first: the automatic choice is the first one the CPU runs. */
 static const comera_gemm_variant VARIANTS[] = {
 #ifdef COMERA_AMX_VARIANT
-    {"amx", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512, 1},
+    {"amx", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512,
+     comera_amx_gemm},
+    {"avx512bf16", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512,
+     pack_half_avx512, gemm_dpbf16},
 #endif
 #ifdef COMERA_X86_VARIANTS
     {"avx512", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512,
-     0},
-    {"avx2", "avx2", AVX2_MR, NR, tile_avx2, comera_dot_avx2_f32, widen_avx2, pack_half_avx2, 0},
+     NULL},
+    {"avx2", "avx2", AVX2_MR, NR, tile_avx2, comera_dot_avx2_f32, widen_avx2, pack_half_avx2,
+     NULL},
 #endif
     {"generic", "generic", GENERIC_MR, NR, tile_generic, NULL, widen_generic, pack_half_generic,
-     0},
+     NULL},
 };
 #define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 
 static int cpu_runs(const comera_gemm_variant *v) {
 #ifdef COMERA_X86_VARIANTS
     __builtin_cpu_init();
-    if (v->amx) return comera_amx_usable();
+    if (v->pairs == comera_amx_gemm) return comera_amx_usable();
+    if (strcmp(v->name, "avx512bf16") == 0)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512bf16");
     if (strcmp(v->name, "avx512") == 0) return __builtin_cpu_supports("avx512f");
     if (strcmp(v->name, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -413,22 +509,36 @@ static int cpu_runs(const comera_gemm_variant *v) {
  * the CPU cannot run, or not built, or unknown: a warning on stderr and the
  * automatic choice (a typo must not stop a training run; tests check the
  * variant they asked for with comera_gemm_variant_name()). */
+/* The automatic choice passes over avx512bf16 on Intel CPUs: there
+ * VDPBF16PS issues on one port, so its pairs of products run no faster than
+ * the avx512 tile's two float32 FMA ports, and its packing costs more
+ * (measured on the AMX Xeon, forced: 768 -> 768 rank 30 bfloat16 15.8 ms
+ * against 12.3 ms).  AMD Zen 4 and later run it at twice their float32 FMA
+ * rate (not measured here). */
+static int chosen_automatically(const comera_gemm_variant *v) {
+#ifdef COMERA_X86_VARIANTS
+    if (strcmp(v->name, "avx512bf16") == 0) return __builtin_cpu_is("amd");
+#endif
+    return 1;
+}
+
 static const comera_gemm_variant *choose_variant(void) {
     const comera_gemm_variant *best = &VARIANTS[NVARIANTS - 1];
     for (int i = NVARIANTS - 1; i >= 0; i--)
-        if (cpu_runs(&VARIANTS[i])) best = &VARIANTS[i];
+        if (cpu_runs(&VARIANTS[i]) && chosen_automatically(&VARIANTS[i])) best = &VARIANTS[i];
     const char *want = getenv("COMERA_ISA");
     if (!want || !*want || strcmp(want, "auto") == 0) return best;
     for (int i = 0; i < NVARIANTS; i++)
         if (strcmp(want, VARIANTS[i].name) == 0) {
             if (cpu_runs(&VARIANTS[i])) return &VARIANTS[i];
-            fprintf(stderr, "comera: COMERA_ISA=%s: this CPU cannot run it; using %s%s\n",
-                    want, best->f32, best->amx ? " with AMX for bfloat16" : "");
+            fprintf(stderr, "comera: COMERA_ISA=%s: this CPU cannot run it; using %s%s%s\n",
+                    want, best->f32, best->pairs ? " with bfloat16 on " : "",
+                    best->pairs ? best->name : "");
             return best;
         }
-    fprintf(stderr, "comera: COMERA_ISA=%s is not one of amx, avx512, avx2, generic, auto "
-            "(or not built here); using %s%s\n", want, best->f32,
-            best->amx ? " with AMX for bfloat16" : "");
+    fprintf(stderr, "comera: COMERA_ISA=%s is not one of amx, avx512bf16, avx512, avx2, generic, "
+            "auto (or not built here); using %s%s%s\n", want, best->f32,
+            best->pairs ? " with bfloat16 on " : "", best->pairs ? best->name : "");
     return best;
 }
 

@@ -46,16 +46,25 @@ typedef void (*comera_dot_f32)(int64_t M, int64_t N, int64_t K, const float *A, 
                                const float *Bt, int64_t ldb, float *C, int64_t ldc,
                                float *Apack);
 
+/* A bfloat16 product on bfloat16-pair kernels: C (M x N; float32, or
+ * bfloat16 with ct) (+)= A Bp, A bfloat16 row-major (row stride lda, K
+ * contiguous), Bp packed by comera_amx_pack_* (common/gemm_amx.c). */
+typedef void (*comera_pairs_gemm)(int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                                  int64_t lda, const uint16_t *Bp, void *C, int ct, int64_t ldc,
+                                  int mode);
+
 typedef struct comera_gemm_variant {
-    const char *name; /* "amx", "avx512", "avx2" or "generic" */
-    const char *f32;  /* the float32 tile's own name ("avx512" for amx) */
+    const char *name; /* "amx", "avx512bf16", "avx512", "avx2" or "generic" */
+    const char *f32;  /* the float32 tile's own name ("avx512" for amx, avx512bf16) */
     int mr;           /* rows of A per tile */
     int nr;           /* columns per tile: a multiple of COMERA_GEMM_NR */
     comera_tile_f32 tile;
     comera_dot_f32 dot; /* common/gemm_dot.c, or NULL: a plain loop, never chosen */
     comera_widen_fn widen;
     comera_pack_half_fn pack_half;
-    int amx; /* bfloat16 products on AMX tiles (common/gemm_amx.c) */
+    /* bfloat16 products on AMX tiles or VDPBF16PS tiles, or NULL: on the
+     * float32 tile like float16 */
+    comera_pairs_gemm pairs;
 } comera_gemm_variant;
 
 /* The AVX2 dot-product kernel (common/gemm_dot.c). */
@@ -64,9 +73,9 @@ void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_
 
 /* The AMX side (common/gemm_amx.c).  comera_amx_usable: the CPU has AMX-BF16
  * and AVX512-BF16 and Linux lets this process use the tile registers (asked
- * once).  The bfloat16 product: C (M x N; float32, or bfloat16 with ct)
- * (+)= A Bp, A bfloat16 row-major (row stride lda, K contiguous), Bp packed
- * by comera_amx_pack_* in bfloat16 pairs (docs/design.md section 5). */
+ * once).  comera_amx_gemm is the amx variant's comera_pairs_gemm; the
+ * packing into bfloat16 pairs serves both pair kernels (docs/design.md
+ * section 5). */
 int comera_amx_usable(void);
 int64_t comera_amx_packed_bytes(int64_t K, int64_t N);
 void comera_amx_pack_f32(int64_t K, int64_t N, const float *B, int64_t rsb, int64_t csb,

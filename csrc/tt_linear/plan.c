@@ -182,15 +182,17 @@ static void plan_from_shape(const tt_shape *s, int64_t batch, comera_tt_linear_p
 static int kernel_of(int dtype) {
     const char *name = comera_gemm_isa_for(dtype);
     if (strcmp(name, "amx") == 0) return COMERA_KERNEL_AMX;
+    if (strcmp(name, "avx512bf16") == 0) return COMERA_KERNEL_AVX512BF16;
     if (strcmp(name, "avx512") == 0) return COMERA_KERNEL_AVX512;
     if (strcmp(name, "avx2") == 0) return COMERA_KERNEL_AVX2;
     return COMERA_KERNEL_GENERIC;
 }
 
 /* FLOP/s of one core on the merge path's products: measured at 768 -> 3072,
- * rank 30, 4096 rows on one core of the AVX-512 / AMX Xeon (the avx2 and
- * generic tiles on the same core; AMX's figure includes its conversions and
- * packing).  16-bit types on a float32 tile pay for widening their operands. */
+ * rank 30, 4096 rows on one core of the AVX-512 / AMX Xeon (the avx2,
+ * generic and avx512bf16 tiles on the same core; the bfloat16 figures
+ * include conversions and packing).  16-bit types on a float32 tile pay for
+ * widening their operands. */
 static double kernel_rate(int kernel, int dtype) {
     if (dtype == COMERA_DT_F64) return 1e10;
     double rate = kernel == COMERA_KERNEL_AMX      ? 1.4e11
@@ -198,6 +200,7 @@ static double kernel_rate(int kernel, int dtype) {
                   : kernel == COMERA_KERNEL_AVX2   ? 8e10
                                                    : 2e10;
     if (kernel == COMERA_KERNEL_AMX && dtype == COMERA_DT_BF16) return 4e11;
+    if (kernel == COMERA_KERNEL_AVX512BF16 && dtype == COMERA_DT_BF16) return 2.2e11;
     return dtype == COMERA_DT_F32 ? rate : 0.9 * rate;
 }
 

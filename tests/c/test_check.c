@@ -3,6 +3,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "reference.h"
 #include "comera/tt_linear.h"
+#include "common/gemm.h"
 #include "one_call.h"
 
 #include <stdio.h>
@@ -169,6 +170,21 @@ static void test_plan(void) {
                   (long long)BATCH[b], rc, plan.path, plan.flops[1], plan.flops[2], plan.seconds[1],
                   plan.seconds[2]);
         }
+    /* plan_for: the 16-bit types always merge, on the variant's kernel for the dtype */
+    static const char *KERNEL_NAMES[] = {"generic", "avx2", "avx512", "amx", "avx512bf16"};
+    comera_tt_linear_desc dk = desc_of(&SHAPES[3]);
+    for (int dt = COMERA_DT_F32; dt <= COMERA_DT_F16; dt++) {
+        int rc = comera_tt_linear_plan_for(&dk, 1, dt, 2, &plan);
+        int half = dt == COMERA_DT_BF16 || dt == COMERA_DT_F16;
+        check(rc == COMERA_OK && plan.dtype == dt && plan.threads == 2 &&
+                  plan.kernel >= 0 && plan.kernel <= 4 &&
+                  strcmp(KERNEL_NAMES[plan.kernel], comera_gemm_isa_for(dt)) == 0 &&
+                  (!half || plan.path == COMERA_PATH_MERGE) && plan.seconds[1] > 0,
+              "plan_for dtype %d: rc %d path %d kernel %d (%s expected)", dt, rc, plan.path,
+              plan.kernel, comera_gemm_isa_for(dt));
+    }
+    check(comera_tt_linear_plan_for(&dk, 1, 7, 1, &plan) == COMERA_ERR_ARG,
+          "plan_for of an unknown dtype accepted");
     comera_tt_linear_desc d = desc_of(&CHECKS[4]); /* num_in 0 */
     check(comera_tt_linear_make_plan(&d, 1, &plan) == COMERA_ERR_ARG, "plan of num_in 0 accepted");
     d = desc_of(&CHECKS[20]); /* overflowing modes */

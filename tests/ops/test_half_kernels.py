@@ -109,7 +109,7 @@ def _reference(name):
     return [y.detach()] + [x.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2", "generic"])
+@pytest.mark.parametrize("isa", ["amx", "avx512bf16", "avx512", "avx2", "generic"])
 def test_every_variant_matches_float64(isa):
     env = dict(os.environ, COMERA_ISA=isa, OMP_NUM_THREADS="2")
     proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
@@ -120,8 +120,8 @@ def test_every_variant_matches_float64(isa):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("bfloat16", "float16"):
         dtype = getattr(torch, name)
-        # AMX runs bfloat16 only; float16 runs on the variant's float32 tile
-        want = isa if (isa != "amx" or name == "bfloat16") else "avx512"
+        # the pair kernels run bfloat16 only; float16 runs on the float32 tile
+        want = isa if (isa not in ("amx", "avx512bf16") or name == "bfloat16") else "avx512"
         assert out[name]["kernel"] == want
         for got, ref in zip(out[name]["values"], _reference(name)):
             assert rel_err(torch.tensor(got).reshape(ref.shape), ref) <= TOL[dtype], (isa, name)

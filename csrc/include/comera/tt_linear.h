@@ -66,7 +66,8 @@ enum {
     COMERA_KERNEL_GENERIC = 0,
     COMERA_KERNEL_AVX2 = 1,
     COMERA_KERNEL_AVX512 = 2,
-    COMERA_KERNEL_AMX = 3
+    COMERA_KERNEL_AMX = 3,
+    COMERA_KERNEL_AVX512BF16 = 4
 };
 
 typedef struct comera_tt_linear_plan {
