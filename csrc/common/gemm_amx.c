@@ -181,17 +181,25 @@ static void amx_configure(int rows0, int rows1) {
 #define AMX_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
 
 /* Writes rows x cols of the 32 x 32 float32 buffer to C (element type ct):
- * float32 stored or added, bfloat16 rounded (a whole aligned 64-byte line
- * streamed under COMERA_GEMM_STREAM). */
+ * float32 stored or added, bfloat16 rounded; under COMERA_GEMM_STREAM whole
+ * aligned 64-byte lines are streamed (a float32 dx under autocast, a
+ * bfloat16 y or dx). */
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 static void amx_put(const float *buf, int rows, int cols, void *C, int ct, int64_t ldc,
                     int mode) {
     __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1);
     __mmask16 m1 = (__mmask16)(cols >= 32 ? 0xffff : cols > 16 ? (1u << (cols - 16)) - 1 : 0);
+    uintptr_t lines = (uintptr_t)C | (uintptr_t)(ldc * (ct == COMERA_DT_F32 ? 4 : 2));
+    int stream = mode == COMERA_GEMM_STREAM && cols == 32 && lines % 64 == 0;
     if (ct == COMERA_DT_F32) {
         for (int i = 0; i < rows; i++) {
             float *c = (float *)C + i * ldc;
             __m512 v0 = _mm512_load_ps(buf + i * 32), v1 = _mm512_load_ps(buf + i * 32 + 16);
+            if (stream) {
+                _mm512_stream_ps(c, v0);
+                _mm512_stream_ps(c + 16, v1);
+                continue;
+            }
             if (mode == COMERA_GEMM_ADD) {
                 v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, c));
                 v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, c + 16));
@@ -202,8 +210,6 @@ static void amx_put(const float *buf, int rows, int cols, void *C, int ct, int64
         return;
     }
     __mmask32 m = cols >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << cols) - 1);
-    uintptr_t lines = (uintptr_t)C | (uintptr_t)(ldc * 2);
-    int stream = mode == COMERA_GEMM_STREAM && cols == 32 && lines % 64 == 0;
     for (int i = 0; i < rows; i++) {
         uint16_t *c = (uint16_t *)C + i * ldc;
         __m512bh h = _mm512_cvtne2ps_pbh(_mm512_load_ps(buf + i * 32 + 16),
@@ -259,8 +265,8 @@ void comera_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t
         for (int64_t j0 = 0; j0 < N; j0 += 32) {
             int cols = N - j0 < 32 ? (int)(N - j0) : 32, two_cols = cols > 16;
             const uint16_t *b0 = Bp + (j0 / COMERA_GEMM_NR) * pstride, *b1 = b0 + pstride;
-            /* float32 whole tiles go to and from C itself */
-            int direct = ct == COMERA_DT_F32 && cols % 16 == 0;
+            /* float32 whole tiles go to and from C itself (but streamed ones) */
+            int direct = ct == COMERA_DT_F32 && cols % 16 == 0 && mode != COMERA_GEMM_STREAM;
             char *c0 = (char *)C + (i0 * ldc + j0) * esize, *c1 = c0 + 16 * ldc * esize;
             int64_t sc = ldc * 4;
             if (direct && mode == COMERA_GEMM_ADD) {

@@ -181,6 +181,27 @@ static void hgemm_case(lcg_t *g, int h, int64_t M, int64_t N, int64_t K, int ct,
     free(A); free(Af); free(Bh); free(Bf); free(Cf); free(Ch); free(R); free(Bp); free(scr); free(Cw);
 }
 
+/* COMERA_GEMM_STREAM writes what COMERA_GEMM_STORE writes, bit for bit, in
+ * 64-byte-aligned rows of a float32 and of a 16-bit C (the streaming stores
+ * run there). */
+static void stream_case(lcg_t *g, int h, int ct) {
+    const int64_t M = 40, N = 64, K = 40;
+    int64_t es = ct == COMERA_DT_F32 ? 4 : 2;
+    uint16_t *A = xmalloc(sizeof(uint16_t) * (size_t)(M * K));
+    float *B = falloc(K * N);
+    for (int64_t i = 0; i < M * K; i++) A[i] = comera_f32_to_half(h, (float)lcg_uniform(g));
+    for (int64_t i = 0; i < K * N; i++) B[i] = comera_half_to_f32(h, comera_f32_to_half(h, (float)lcg_uniform(g)));
+    void *Bp = xmalloc((size_t)comera_hgemm_packed_bytes(h, K, N));
+    float *scr = falloc(comera_hgemm_scratch(h, K));
+    char *C0 = aligned_alloc(64, (size_t)(M * N * es)), *C1 = aligned_alloc(64, (size_t)(M * N * es));
+    comera_hgemm_pack_f32(h, K, N, B, N, 1, Bp);
+    comera_hgemm(h, M, N, K, A, h, K, Bp, C0, ct, N, COMERA_GEMM_STORE, scr);
+    comera_hgemm(h, M, N, K, A, h, K, Bp, C1, ct, N, COMERA_GEMM_STREAM, scr);
+    check(memcmp(C0, C1, (size_t)(M * N * es)) == 0, "%s C %s: streamed differs from stored",
+          TNAME[h], TNAME[ct]);
+    free(A); free(B); free(Bp); free(scr); free(C0); free(C1);
+}
+
 static void test_hgemm(void) {
     group_begin("half: 16-bit products");
     static const int64_t MS[] = {1, 5, 12, 17, 32, 33, 100};
@@ -193,13 +214,17 @@ static void test_hgemm(void) {
             for (int ni = 0; ni < 9; ni++)
                 for (int ki = 0; ki < 8; ki++) {
                     /* a rotating subset of the output kinds keeps the group quick */
-                    int pick = (mi + ni + ki) % 4;
-                    int ct = pick < 2 ? COMERA_DT_F32 : h;
-                    int mode = pick == 1 ? COMERA_GEMM_ADD : pick == 3 ? COMERA_GEMM_STREAM
-                                                                       : COMERA_GEMM_STORE;
+                    int pick = (mi + ni + ki) % 5;
+                    int ct = pick < 2 || pick == 4 ? COMERA_DT_F32 : h;
+                    int mode = pick == 1 ? COMERA_GEMM_ADD
+                               : pick >= 3 ? COMERA_GEMM_STREAM : COMERA_GEMM_STORE;
                     hgemm_case(&g, h, MS[mi], NS[ni], KS[ki], ct, mode, (mi + ki) % 2,
                                (ni + ki) % 3 == 0);
                 }
+    for (int h = COMERA_DT_BF16; h <= COMERA_DT_F16; h++) {
+        stream_case(&g, h, COMERA_DT_F32);
+        stream_case(&g, h, h);
+    }
     group_end();
 }
 
