@@ -106,10 +106,14 @@ def time_row(rows, rank, live, reps, flops_rate, bw):
     comera.prune(pruned)
     x = torch.randn(rows, 768, requires_grad=True)
     gy = torch.randn(rows, 3072)
+    # the pool-off methods get an x of their own: freeing a pooled x.grad while
+    # the pool is switched off would drop the pool's idle blocks, and the
+    # pooled methods would pay for fresh pages after them
+    x_off = x.detach().clone().requires_grad_()
     methods = {"full": step_fn(layer, x, gy), "masked": step_fn(masked, x, gy),
                "pruned": step_fn(pruned, x, gy),
-               "full_pool_off": pool_off(step_fn(layer, x, gy)),
-               "pruned_pool_off": pool_off(step_fn(pruned, x, gy)),
+               "full_pool_off": pool_off(step_fn(layer, x_off, gy)),
+               "pruned_pool_off": pool_off(step_fn(pruned, x_off, gy)),
                "floor": output_floor_fn(rows, 768, 3072)}
     advise = _madvise_huge()
     if advise is not None:
