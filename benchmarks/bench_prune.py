@@ -146,6 +146,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--name", default="prune_cpu", help="results name (default prune_cpu)")
     args = ap.parse_args(argv)
     malloc_env = {k: v for k, v in sorted(os.environ.items())
                   if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE")}
@@ -168,7 +169,7 @@ def main(argv=None):
     payload = {"machine": machine, "dtype": "float32", "layer": "TTLinear(768, 3072)",
                "rank": args.rank, "live_rank": args.live, "clock": "wall", "interleaved": True,
                "reps": args.reps, "malloc_env": malloc_env, "cases": cases}
-    write_results("prune_cpu", payload, markdown(payload, args), out_dir=args.out)
+    write_results(args.name, payload, markdown(payload, args), out_dir=args.out)
     return payload
 
 
@@ -206,8 +207,9 @@ def markdown(payload, args):
                   f"{c['pool_off']['pruned_s'] * 1e3:.1f}, {c['pool_off']['time_ratio']:.2f}x | "
                   + (f"{c['output_floor_huge_s'] * 1e3:.1f} |" if c["output_floor_huge_s"] else "- |"))
     env = "".join(f"{k}={v} " for k, v in malloc_env.items())
+    name = f" --name {args.name}" if args.name != "prune_cpu" else ""
     md.append(f"\nReproduce: `{env}python benchmarks/bench_prune.py --rows "
-              f"{' '.join(map(str, args.rows))} --reps {args.reps} --threads {args.threads}` "
+              f"{' '.join(map(str, args.rows))} --reps {args.reps} --threads {args.threads}{name}` "
               "(after `make install`).\n")
     return "\n".join(md) + "\n"
 
