@@ -70,14 +70,14 @@ def test_autocast_tt_linear_computes_in_fp32_and_returns_bf16():
         y = layer(x)
         lin_y = nn.Linear(96, 64)(x)
     assert y.dtype == lin_y.dtype == torch.bfloat16                 # the same convention as nn.Linear
-    # fp32 accumulation: the result is the fp32 result rounded once to bf16
-    torch.testing.assert_close(y, ref.to(torch.bfloat16), atol=0, rtol=0)
+    # bf16 products with fp32 accumulation: within bf16 rounding of the fp32 result
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
     y.float().sum().backward()
     ref.sum().backward()
     assert all(c.grad.dtype == torch.float32 for c in layer.cores)
-    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(x.grad, xr.grad, atol=2e-2, rtol=2e-2)
     for c, cr in zip(layer.cores, ref_layer.cores):
-        torch.testing.assert_close(c.grad, cr.grad)
+        torch.testing.assert_close(c.grad, cr.grad, atol=1e-1, rtol=1e-1)
     torch.testing.assert_close(layer.bias.grad, ref_layer.bias.grad)
 
 
@@ -91,16 +91,16 @@ def test_autocast_bf16_input_is_accumulated_in_fp32():
     torch.testing.assert_close(y, ref.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
 
 
-def test_autocast_direct_op_call_casts_to_fp32():
+def test_autocast_direct_op_call_runs_the_16_bit_kernels():
     layer = comera.TTLinear(32, 16, rank=3)
     x = torch.randn(4, 32).to(torch.bfloat16)
     cores = [c.detach() for c in layer.cores]
     gates = [g.detach() for g in layer.gates]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, _ = torch.ops.comera.tt_linear(x, cores, gates, layer.bias.detach(), layer.num_in_cores, 16, 0)
-    assert y.dtype == torch.float32                      # autocast's fp32-op convention
+    assert y.dtype == torch.bfloat16                     # computed by the 16-bit kernels, as F.linear
     ref = x.float() @ layer.weight.detach().t() + layer.bias.detach()
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_autocast_leaves_float64_layers_alone():
