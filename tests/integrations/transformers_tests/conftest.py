@@ -16,7 +16,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: a marker of transformers' model tests")
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     """These tests run last: their thousands of model builds leave the
     process heap fragmented, and tests that count page faults
     (tests/ops/test_output_pool.py) measure the process, not only themselves."""
