@@ -101,10 +101,10 @@ def write_text(path: PathLike, text: str) -> None:
     """Writes ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_write`).
 
     Example:
-        >>> import os, tempfile
+        >>> import os, pathlib, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "report.md")
         >>> write_text(path, "# title")
-        >>> open(path).read()
+        >>> pathlib.Path(path).read_text()
         '# title'
     """
     def write(tmp):
@@ -117,10 +117,10 @@ def write_json(path: PathLike, data, *, indent: int = 1, sort_keys: bool = False
     """Writes ``data`` as JSON, with a final newline, to ``path`` atomically.
 
     Example:
-        >>> import json, os, tempfile
+        >>> import json, os, pathlib, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "metrics.json")
         >>> write_json(path, {"loss": 1.5})
-        >>> json.load(open(path))
+        >>> json.loads(pathlib.Path(path).read_text())
         {'loss': 1.5}
     """
     write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")

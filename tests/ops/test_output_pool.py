@@ -4,6 +4,7 @@ after its tensor died, never under a live tensor; results must not change
 with the pool on or off; the switches and the cap are honoured; tensors over
 pooled blocks behave as tensors (save, share_memory_, threads, fork)."""
 import os
+import subprocess
 import sys
 import threading
 
@@ -185,23 +186,36 @@ def test_fork_child_uses_the_pool(pool_env):
     assert torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_minflt counts on Linux")
-def test_repeated_steps_do_not_fault(pool_env):
-    import resource
-    layer = _layer()
-    x = torch.randn(4096, 768, requires_grad=True)
-    gy = torch.randn(4096, 3072)
-
-    def step():
-        x.grad = None
-        layer(x).backward(gy)
-
-    step()
-    step()
+_FAULT_PROBE = """
+import os, resource, torch, comera
+torch.manual_seed(0)
+layer = comera.TTLinear(768, 3072, rank=8)
+x = torch.randn(4096, 768, requires_grad=True)
+gy = torch.randn(4096, 3072)
+def step():
+    x.grad = None
+    layer(x).backward(gy)
+def faults_over_three_steps():
+    step(); step()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(3):
         step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+os.environ["COMERA_OUTPUT_POOL"] = "0"
+unpooled = faults_over_three_steps()
+os.environ.pop("COMERA_OUTPUT_POOL")
+pooled = min(faults_over_three_steps() for _ in range(3))
+print(pooled, unpooled)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_minflt counts on Linux")
+def test_repeated_steps_do_not_fault(pool_env):
+    # a fresh process: the fault count is process-wide, and what earlier tests
+    # left (allocator state, malloc's thresholds) moves it by hundreds
+    out = subprocess.run([sys.executable, "-c", _FAULT_PROBE], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    pooled, unpooled = map(int, out.split())
     # without the pool each step first-touches a fresh 48 MB y (12,288 4 KB
-    # pages, or ~500 faults with huge pages); reused blocks fault no more
-    assert faults < 300, faults
+    # pages, or hundreds of faults with huge pages); reused blocks fault no more
+    assert pooled < 300 and pooled * 4 < unpooled, (pooled, unpooled)
