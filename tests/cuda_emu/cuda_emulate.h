@@ -22,8 +22,24 @@ extern uint3 threadIdx, blockIdx;
 extern dim3 blockDim, gridDim;
 
 namespace comera_emu {
-/* counts launches, so tests can check how many kernels an op issues */
-extern long launches;
+/* What the emulated entry points have issued since the program started:
+ * kernel launches (launch()), cuBLAS calls (every emulated cublas* product)
+ * and copies (cudaMemcpy*Async, cudaMemsetAsync).  A test reads them before
+ * and after one op call (Counts::now() and operator-) to check how many of
+ * each the op issues: tests/cuda_emu/launch_counts.txt holds the expected
+ * numbers. */
+struct Counts {
+    long kernels, blas, copies;
+    static Counts now();
+    long total() const { return kernels + blas + copies; }
+    Counts operator-(const Counts &o) const {
+        return Counts{kernels - o.kernels, blas - o.blas, copies - o.copies};
+    }
+    bool operator==(const Counts &o) const {
+        return kernels == o.kernels && blas == o.blas && copies == o.copies;
+    }
+};
+extern Counts counts;
 void launch(unsigned grid, unsigned block, void *stream, const std::function<void()> &body);
 }  // namespace comera_emu
 

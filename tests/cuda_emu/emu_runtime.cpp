@@ -20,7 +20,8 @@ uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
 namespace comera_emu {
-long launches = 0;
+Counts counts = {0, 0, 0};
+Counts Counts::now() { return counts; }
 
 // A GPU runs blocks and threads in no fixed order; the kernels must not
 // depend on one.  Each launch runs its (block, thread) pairs in a fresh
@@ -37,7 +38,7 @@ static std::mt19937_64 &order_rng() {
 }
 
 void launch(unsigned grid, unsigned block, void *, const std::function<void()> &body) {
-    launches++;
+    counts.kernels++;
     gridDim = dim3(grid, 1, 1);
     blockDim = dim3(block, 1, 1);
     std::vector<uint64_t> order((size_t)grid * block);
@@ -54,14 +55,14 @@ void launch(unsigned grid, unsigned block, void *, const std::function<void()> &
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t count, cudaStream_t) {
-    comera_emu::launches++;
+    comera_emu::counts.copies++;
     memset(p, value, count);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
                             cudaStream_t) {
-    comera_emu::launches++;
+    comera_emu::counts.copies++;
     if (kind != cudaMemcpyDeviceToDevice) return cudaErrorInvalidValue;
     if (count) memmove(dst, src, count);
     return cudaSuccess;
@@ -70,7 +71,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaM
 cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
                               size_t width, size_t height, enum cudaMemcpyKind kind,
                               cudaStream_t) {
-    comera_emu::launches++;
+    comera_emu::counts.copies++;
     if (width > dpitch || width > spitch || kind != cudaMemcpyDeviceToDevice)
         return cudaErrorInvalidValue;
     for (size_t r = 0; r < height; r++)
@@ -107,7 +108,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperatio
                             int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
                             void *C, cudaDataType ct, int ldc, cublasComputeType_t compute,
                             cublasGemmAlgo_t) {
-    comera_emu::launches++;
+    comera_emu::counts.blas++;
     if (m < 0 || n < 0 || k < 0) return CUBLAS_STATUS_INVALID_VALUE;
     int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
     if (lda < (arows > 1 ? arows : 1) || ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1)) {

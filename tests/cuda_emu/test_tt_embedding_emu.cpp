@@ -6,7 +6,9 @@
  * of one row), a padding row, padded row and dim modes, empty bags and an
  * empty batch.  Also: the workspace size is enough (guard bytes past it stay
  * untouched), an index out of range reads as NaN, argument errors, and the
- * backward is bitwise the same for a permuted batch of distinct rows.
+ * backward is bitwise the same for a permuted batch of distinct rows, and
+ * the kernels and copies of one call against launch_counts.txt (argument 1,
+ * default ./launch_counts.txt).
  * Prints one line per failure, then "N passed, M failed"; exits 1 on failure. */
 #include "cuda_emulate.h"
 
@@ -22,6 +24,7 @@
 #include "comera/cuda.h"
 #include "comera/tt_embedding.h"
 #include "../c/one_call.h"
+#include "launch_table.h"
 
 struct Case {
     const char *name;
@@ -314,7 +317,62 @@ static void permutation_invariance() {
     check(same, "backward of permuted distinct rows is bitwise identical");
 }
 
-int main() {
+/* Kernels, cuBLAS calls and copies of one forward and one backward call,
+ * for each embedding case of launch_counts.txt, against the table. */
+static void launch_counts(const char *table) {
+    std::vector<LaunchCase> cases = read_launch_table(table, "embedding");
+    check(cases.size() >= 3, std::string("launch table ") + table + " has embedding cases");
+    for (const LaunchCase &lc : cases) {
+        const std::vector<int64_t> &feat = lc.at("features");
+        const int64_t n = lc.one("n"), mode = lc.one("mode"), bags = lc.one("bags");
+        const int reuse = (int)lc.one("reuse");
+        if (feat.size() != 2 || n < 0 || lc.at("fwd").size() != 3 || lc.at("bwd").size() != 3 ||
+            lc.at("ranks").size() != lc.at("rows").size() + 1 || (mode != 0 && bags < 1)) {
+            check(false, "launch table: malformed line:" + lc.line);
+            continue;
+        }
+        Case c{"table", lc.at("rows"), lc.at("dims"), lc.at("ranks"), feat[0], feat[1], -1};
+        Layer L(c);
+        std::vector<std::vector<float>> fc, fg, dc, dg;
+        std::vector<const void *> cp, gp;
+        std::vector<void *> dcp, dgp;
+        for (auto &v : L.cores) fc.push_back(as<float>(rounded<float>(v.size(), -1, 1)));
+        for (auto &v : L.gates) fg.push_back(std::vector<float>(v.size(), 1.0f));
+        for (auto &v : fc) { cp.push_back(v.data()); dc.push_back(std::vector<float>(v.size())); }
+        for (auto &v : fg) { gp.push_back(v.data()); dg.push_back(std::vector<float>(v.size())); }
+        for (auto &v : dc) dcp.push_back(v.data());
+        for (auto &v : dg) dgp.push_back(v.data());
+        std::vector<int64_t> idx = random_indices(c, n), off;
+        for (int64_t q = 0; mode != 0 && q <= bags; q++) off.push_back(q * n / bags);
+        comera_tt_embedding_batch b{(int32_t)mode, n, idx.data(), mode ? bags : 0,
+                                    mode ? off.data() : nullptr};
+        const int64_t rows = mode ? bags : n;
+        std::vector<float> out((size_t)(rows * c.dim)), grad((size_t)(rows * c.dim), 0.25f);
+        size_t fb = 0, bb = 0;
+        int rc = embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 0, &fb);
+        rc |= embedding_cuda_workspace(&L.d, &b, COMERA_DT_F32, 1, &bb);
+        std::vector<unsigned char> wf(fb), wb(bb);
+        comera_emu::Counts before = comera_emu::Counts::now();
+        rc |= embedding_fwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, reuse, cp.data(), gp.data(),
+                                 out.data(), wf.data(), fb, nullptr);
+        comera_emu::Counts nf = comera_emu::Counts::now() - before;
+        before = comera_emu::Counts::now();
+        rc |= embedding_bwd_cuda(&L.d, &b, COMERA_DT_F32, nullptr, reuse, grad.data(), cp.data(),
+                                 gp.data(), dcp.data(), dgp.data(), wb.data(), bb, nullptr);
+        comera_emu::Counts nb = comera_emu::Counts::now() - before;
+        const std::vector<int64_t> &ef = lc.at("fwd"), &eb = lc.at("bwd");
+        comera_emu::Counts want_f{(long)ef[0], (long)ef[1], (long)ef[2]};
+        comera_emu::Counts want_b{(long)eb[0], (long)eb[1], (long)eb[2]};
+        printf("launches%s: forward %ld,%ld,%ld backward %ld,%ld,%ld (kernels, cuBLAS, copies)\n",
+               lc.line.substr(9).c_str(), nf.kernels, nf.blas, nf.copies, nb.kernels, nb.blas,
+               nb.copies);
+        check(rc == COMERA_OK, "launch counts: the calls ran:" + lc.line);
+        check(nf == want_f, "forward launches as in the table:" + lc.line);
+        check(nb == want_b, "backward launches as in the table:" + lc.line);
+    }
+}
+
+int main(int argc, char **argv) {
     run_all<double>();
     run_all<float>();
     run_all<__nv_bfloat16>();
@@ -323,6 +381,7 @@ int main() {
     long_runs<float>();
     edge_cases();
     permutation_invariance();
+    launch_counts(argc > 1 ? argv[1] : "launch_counts.txt");
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }

@@ -5,7 +5,9 @@
  * that exercise p = 1 / q = 1 chains, padding, ranks at the TT bound and
  * long (split) gradient sums.  Also: the workspace size is enough (guard
  * bytes past it stay untouched), argument errors, the gate proximal step
- * (csrc/gate_prox/cuda.cu) against its C kernel, and the launch counts.
+ * (csrc/gate_prox/cuda.cu) against its C kernel, and the kernels, cuBLAS
+ * calls and copies of one call against launch_counts.txt (argument 1, default
+ * ./launch_counts.txt).
  * Prints one line per failure, then "N passed, M failed"; exits 1 on failure. */
 #include "cuda_emulate.h"
 
@@ -23,6 +25,7 @@
 #include "comera/gate_prox.h"
 #include "comera/tt_linear.h"
 #include "../c/one_call.h"
+#include "launch_table.h"
 
 struct Case {
     const char *name;
@@ -341,9 +344,76 @@ static void gate_prox() {
           "gate prox: a missing pointer array is refused");
 }
 
-/* kernels launched by one forward and one backward at the benchmark shape */
-static void launch_counts() {
-    std::vector<int64_t> im{8, 8, 12}, om{12, 16, 16}, rk{1, 8, 30, 30, 30, 16, 1};
+/* Kernels, cuBLAS calls and copies of one forward and one backward call,
+ * for each linear case of launch_counts.txt, against the table (a fixed
+ * launch budget per layer shape, whatever the batch). */
+static void launch_counts(const char *table) {
+    std::vector<LaunchCase> cases = read_launch_table(table, "linear");
+    check(cases.size() >= 4, std::string("launch table ") + table + " has linear cases");
+    for (const LaunchCase &lc : cases) {
+        std::vector<int64_t> im = lc.at("in"), om = lc.at("out"), rk = lc.at("ranks");
+        const std::vector<int64_t> &feat = lc.at("features");
+        const int64_t batch = lc.one("batch");
+        const bool hb = lc.one("bias") == 1, want_dx = lc.one("dx") == 1;
+        comera_tt_linear_desc d{};
+        d.num_in = (int)im.size();
+        d.num_out = (int)om.size();
+        d.in_modes = im.data();
+        d.out_modes = om.data();
+        d.ranks = rk.data();
+        d.in_features = feat.size() == 2 ? feat[0] : 0;
+        d.out_features = feat.size() == 2 ? feat[1] : 0;
+        const int D = d.num_in + d.num_out;
+        if (rk.size() != (size_t)D + 1 || batch < 0 || lc.at("fwd").size() != 3 ||
+            lc.at("bwd").size() != 3) {
+            check(false, "launch table: malformed line:" + lc.line);
+            continue;
+        }
+        std::vector<int64_t> dims(im);
+        dims.insert(dims.end(), om.begin(), om.end());
+        unsigned st = 1;
+        std::vector<std::vector<float>> c, g;
+        for (int k = 0; k < D; k++) {
+            c.push_back(std::vector<float>((size_t)(rk[k] * dims[k] * rk[k + 1])));
+            for (auto &v : c.back()) v = (float)urand(&st);
+            if (k < D - 1) g.push_back(std::vector<float>((size_t)rk[k + 1], 1.0f));
+        }
+        std::vector<const void *> cp, gp;
+        std::vector<void *> dcp, dgp;
+        std::vector<std::vector<float>> dc(c), dg(g);
+        for (auto &v : c) cp.push_back(v.data());
+        for (auto &v : g) gp.push_back(v.data());
+        for (auto &v : dc) dcp.push_back(v.data());
+        for (auto &v : dg) dgp.push_back(v.data());
+        const int64_t in = d.in_features, out = d.out_features, rm = rk[d.num_in];
+        std::vector<float> x((size_t)(batch * in), 0.5f), y((size_t)(batch * out)),
+            t((size_t)(batch * rm)), b((size_t)out), dx((size_t)(batch * in)), db((size_t)out);
+        size_t fb = 0, bb = 0;
+        int rc = linear_cuda_workspace(&d, batch, COMERA_DT_F32, hb, 0, &fb);
+        rc |= linear_cuda_workspace(&d, batch, COMERA_DT_F32, hb, 1, &bb);
+        std::vector<char> fw(fb), bw(bb);
+        comera_emu::Counts before = comera_emu::Counts::now();
+        rc |= linear_fwd_cuda(&d, 0, COMERA_DT_F32, batch, x.data(), cp.data(), gp.data(),
+                              hb ? b.data() : nullptr, y.data(), t.data(), fw.data(), fb, nullptr,
+                              nullptr);
+        comera_emu::Counts nf = comera_emu::Counts::now() - before;
+        before = comera_emu::Counts::now();
+        rc |= linear_bwd_cuda(&d, 0, COMERA_DT_F32, batch, y.data(), x.data(), t.data(), cp.data(),
+                              gp.data(), want_dx ? dx.data() : nullptr, dcp.data(), dgp.data(),
+                              hb ? db.data() : nullptr, bw.data(), bb, nullptr, nullptr);
+        comera_emu::Counts nb = comera_emu::Counts::now() - before;
+        const std::vector<int64_t> &ef = lc.at("fwd"), &eb = lc.at("bwd");
+        comera_emu::Counts want_f{(long)ef[0], (long)ef[1], (long)ef[2]};
+        comera_emu::Counts want_b{(long)eb[0], (long)eb[1], (long)eb[2]};
+        printf("launches%s: forward %ld,%ld,%ld backward %ld,%ld,%ld (kernels, cuBLAS, copies)\n",
+               lc.line.substr(6).c_str(), nf.kernels, nf.blas, nf.copies, nb.kernels, nb.blas,
+               nb.copies);
+        check(rc == COMERA_OK, "launch counts: the calls ran:" + lc.line);
+        check(nf == want_f, "forward launches as in the table:" + lc.line);
+        check(nb == want_b, "backward launches as in the table:" + lc.line);
+    }
+    /* the workspace of the benchmark shape, for the record */
+    std::vector<int64_t> im{8, 8, 12}, om{12, 16, 16}, rk{1, 8, 32, 32, 32, 16, 1};
     comera_tt_linear_desc d{};
     d.num_in = 3;
     d.num_out = 3;
@@ -352,45 +422,14 @@ static void launch_counts() {
     d.ranks = rk.data();
     d.in_features = 768;
     d.out_features = 3072;
-    size_t fb, bb;
+    size_t fb = 0, bb = 0;
     linear_cuda_workspace(&d, 4096, COMERA_DT_BF16, 1, 0, &fb);
     linear_cuda_workspace(&d, 4096, COMERA_DT_BF16, 1, 1, &bb);
-    printf("768->3072 rank 30, 4096 rows, bf16 with bias: workspace forward %.2f MB, "
+    printf("768->3072 rank 32, 4096 rows, bf16 with bias: workspace forward %.2f MB, "
            "backward %.2f MB\n", fb / 1e6, bb / 1e6);
-    /* count with 2 rows (the count does not depend on the batch) */
-    unsigned st = 1;
-    std::vector<std::vector<float>> c, g;
-    int64_t dims[6] = {8, 8, 12, 12, 16, 16};
-    for (int k = 0; k < 6; k++) {
-        c.push_back(std::vector<float>((size_t)(rk[k] * dims[k] * rk[k + 1])));
-        for (auto &v : c.back()) v = (float)urand(&st);
-        if (k < 5) g.push_back(std::vector<float>((size_t)rk[k + 1], 1.0f));
-    }
-    std::vector<const void *> cp, gp;
-    std::vector<void *> dcp, dgp;
-    std::vector<std::vector<float>> dc(c), dg(g);
-    for (auto &v : c) cp.push_back(v.data());
-    for (auto &v : g) gp.push_back(v.data());
-    for (auto &v : dc) dcp.push_back(v.data());
-    for (auto &v : dg) dgp.push_back(v.data());
-    std::vector<float> x(2 * 768), y(2 * 3072), t(2 * 30), b(3072), dx(2 * 768), db(3072);
-    linear_cuda_workspace(&d, 2, COMERA_DT_F32, 1, 0, &fb);
-    linear_cuda_workspace(&d, 2, COMERA_DT_F32, 1, 1, &bb);
-    std::vector<char> fw(fb), bw(bb);
-    long before = comera_emu::launches;
-    int rc = linear_fwd_cuda(&d, 0, COMERA_DT_F32, 2, x.data(), cp.data(), gp.data(),
-                                       b.data(), y.data(), t.data(), fw.data(), fb, nullptr, nullptr);
-    long nf = comera_emu::launches - before;
-    before = comera_emu::launches;
-    rc |= linear_bwd_cuda(&d, 0, COMERA_DT_F32, 2, y.data(), x.data(), t.data(), cp.data(),
-                                    gp.data(), dx.data(), dcp.data(), dgp.data(), db.data(),
-                                    bw.data(), bb, nullptr, nullptr);
-    long nb = comera_emu::launches - before;
-    printf("launches (kernels, cuBLAS calls, copies): forward %ld, backward %ld\n", nf, nb);
-    check(rc == COMERA_OK && nf <= 8 && nb <= 16, "launch counts stay small");
 }
 
-int main() {
+int main(int argc, char **argv) {
     unsigned seed = 7;
     for (const Case &c : CASES) {
         for (int64_t batch : {0, 1, 37, 130}) {
@@ -404,7 +443,7 @@ int main() {
     }
     argument_errors();
     gate_prox();
-    launch_counts();
+    launch_counts(argc > 1 ? argv[1] : "launch_counts.txt");
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
 }
