@@ -10,6 +10,7 @@ from comera.layers import tt
 from comera.layers.base import TTLayerMixin, param_list, replace_data
 from comera.ops.dense import ttm_full
 from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
+from comera.ops.gpu_cost import tt_embedding_gpu_cost
 
 DEFAULT_CORES = 3
 _HALF = (torch.bfloat16, torch.float16)
@@ -289,9 +290,15 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                             reuse=self.reuse, capturable=self.capturable)
 
     # ------------------------------------------------------------ inspection
-    def plan(self, input: torch.Tensor) -> dict:
+    def plan(self, input: torch.Tensor, *, device=None, gpu: str = "H200") -> dict:
         """The C planner's numbers for looking up ``input``: distinct rows,
         distinct prefixes per level, modelled flops per strategy.
+
+        For ``device="cuda"`` (default: the layer's device) it is instead the
+        GPU cost model of :func:`comera.ops.gpu_cost.tt_embedding_gpu_cost`
+        on ``gpu`` (``"H100"`` or ``"H200"``) for one forward + backward of
+        ``input`` (a 2-D ``input`` in bag mode: one bag per row): FLOPs,
+        bytes, launches and predicted seconds of every CUDA launch.
 
         Example:
             >>> import torch, comera
@@ -299,7 +306,15 @@ class TTEmbedding(TTLayerMixin, nn.Module):
             >>> p = emb.plan(torch.tensor([3, 3, 3, 7]))
             >>> p["rows"], p["unique"], p["flops"]["dedup"] < p["flops"]["none"]
             (4, 2, True)
+            >>> emb.plan(torch.zeros(4096, dtype=torch.long), device="cuda")["forward"]["launches"]
+            {'kernel': 21, 'blas': 0, 'copy': 0}
         """
+        if torch.device(self.cores[0].device if device is None else device).type == "cuda":
+            bags = input.shape[0] if input.dim() == 2 else 1
+            return tt_embedding_gpu_cost(self.row_shape, self.dim_shape, [1] + self.ranks + [1],
+                                         self.num_embeddings, self.embedding_dim, input.numel(),
+                                         self.cores[0].dtype, mode=self.mode or "plain",
+                                         num_bags=bags, reuse=self.reuse, gpu=gpu)
         return tt_embedding_plan(input, self.row_shape, self.dim_shape, [1] + self.ranks + [1],
                                  self.num_embeddings, self.embedding_dim, self.padding_idx)
 
