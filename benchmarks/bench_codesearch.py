@@ -16,7 +16,9 @@ and linear decay.  Each encoder picks its peak learning rate from the same
 grid (--lr-grid) by validation MRR with the first seed; then the test split
 is scored once per seed (--seeds) at the chosen rate.  MRR: the test pairs,
 shuffled once, are cut into pools of --pool pairs (1 true + 999 distractors
-by default); each docstring ranks its own code among the pool's codes.
+by default; the remainder is scored against the last --pool pairs, so every
+test pair is a query once); each docstring ranks its own code among the
+pool's codes.
 
     python benchmarks/bench_codesearch.py --run runs/RUN     # a finished `--method both` run
     python benchmarks/bench_codesearch.py                    # runs `comera pretrain` (tiny) first
@@ -96,31 +98,50 @@ def embed(encoder, ids):
     return F.normalize((h * m).sum(1) / m.sum(1).clamp_min(1.0), dim=-1)
 
 
+def pools(n, pool, seed=0):
+    """Pools of at most ``pool`` pairs covering every one of ``n`` pairs once
+    as a query: after one seeded shuffle, consecutive slices of ``pool``; the
+    remainder is scored against the last ``pool`` pairs of the shuffle (so it
+    too meets ``pool - 1`` distractors).  Returns ``[(pool indices, indices
+    within the pool that are queries)]``.
+
+    Example:
+        >>> [(len(idx), q.tolist()) for idx, q in pools(5, 2)]
+        [(2, [0, 1]), (2, [0, 1]), (2, [1])]
+    """
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    if n <= pool:
+        return [(perm, torch.arange(n))]
+    out = [(perm[k:k + pool], torch.arange(pool)) for k in range(0, n - pool + 1, pool)]
+    rest = n % pool
+    if rest:
+        out.append((perm[n - pool:], torch.arange(pool - rest, pool)))
+    return out
+
+
 @torch.no_grad()
 def mrr(encoder, docs, codes, pool, seed=0, batch=128):
     """Mean reciprocal rank of each doc's own code among the codes of its
-    pool (pools of `pool` pairs after one seeded shuffle; a remainder
-    smaller than `pool` is dropped unless it is the only pool).
+    pool: every pair is a query once, against ``pool - 1`` distractors
+    (:func:`pools`; fewer only when there are fewer pairs).
 
     Example:
         >>> class Same(torch.nn.Module):  # an encoder that embeds ids as one-hot rows
         ...     def forward(self, input_ids, attention_mask):
         ...         return type("O", (), {"last_hidden_state": F.one_hot(input_ids, 16).float()})()
         >>> ids = torch.tensor([[5, 1], [6, 1], [7, 1]])
-        >>> mrr(Same(), ids, ids, pool=3)["mrr"]
-        1.0
+        >>> mrr(Same(), ids, ids, pool=2)
+        {'mrr': 1.0, 'pool': 2, 'queries': 3}
     """
     encoder.eval()
     u = torch.cat([embed(encoder, docs[i:i + batch]) for i in range(0, len(docs), batch)])
     v = torch.cat([embed(encoder, codes[i:i + batch]) for i in range(0, len(codes), batch)])
     encoder.train()
-    perm = torch.randperm(len(u), generator=torch.Generator().manual_seed(seed))
-    n_pools = max(1, len(u) // pool)
     rr = []
-    for k in range(n_pools):
-        idx = perm[k * pool:(k + 1) * pool]
-        s = u[idx] @ v[idx].T
-        rank = (s > s.diagonal().unsqueeze(1)).sum(1) + 1  # ties count in the doc's favour
+    for idx, queries in pools(len(u), pool, seed):
+        s = u[idx[queries]] @ v[idx].T
+        true = s.gather(1, queries.unsqueeze(1))
+        rank = (s > true).sum(1) + 1  # ties count in the doc's favour
         rr += (1.0 / rank.double()).tolist()
     return {"mrr": float(statistics.fmean(rr)), "pool": int(min(pool, len(u))), "queries": len(rr)}
 
