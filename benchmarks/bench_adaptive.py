@@ -4,17 +4,23 @@ library at equal final TT parameter count:
 * ``adaptive``: CoMERA rank-adaptive training: start at the preset's ranks,
   stage 1 (decoupled L1 on the gates), stage 2 to the target compression
   (``--rule``, default saliency), pruning;
-* ``adaptive-magnitude``: the same with the magnitude stage-2 rule (at the
-  learning rate chosen for ``adaptive``; off with ``--no-magnitude``);
-* ``fixed``: uniform TT ranks (linear rank r, vocabulary layers 2r, the
-  presets' ratio) whose converted-layer size is the closest to dense / target,
-  trained from step 0 without rank adaptation;
+* ``adaptive-magnitude``: the same with the magnitude stage-2 rule, tuned on
+  the same grid as every other method (off with ``--no-magnitude``);
+* ``fixed``: TT ranks fixed from step 0, sized to the adaptive run's final
+  converted-layer parameters of the same seed, within +-2%
+  (bench_quality.fixed_ranks_for: uniform ranks, linear r and vocabulary
+  layers 2r, then single layers raised to their next rank), trained without
+  rank adaptation;
 * ``dense``: the uncompressed model.
 
-Same data, steps, schedule and tuning budget for every method: each learning
-rate of ``--lrs`` (one grid for all) is tried with the first seed, the one
-with the lowest validation loss is kept, and the other seeds run at it.
-Reported: mean +- std of the final validation MLM loss over the seeds.
+Same data, steps, schedule and tuning budget for every method.  Files held
+out of training are split into a validation and a test split
+(bench_quality.split_heldout).  Each learning rate of ``--lrs`` (one grid for
+all) is tried with the tuning seed (``--tune-seed``, not one of the reported
+seeds), the one with the lowest validation loss is kept; then every reported
+seed (``--seeds``; a seed sets the initialisation, the data order and the
+masks) trains at it and the test split is scored once.  Reported: mean +- std
+of the final test MLM loss over the seeds.
 
     python benchmarks/bench_adaptive.py                     # the full protocol (days on a 2-core CPU)
     python benchmarks/bench_adaptive.py --presets tiny      # the run recorded here (19 min)
@@ -39,6 +45,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 from common import edge_note, on_grid_edge  # noqa: E402
+from bench_quality import fixed_ranks_for  # noqa: E402
 from timing import finish_record, machine_line, machine_record  # noqa: E402
 
 import comera  # noqa: E402
@@ -49,31 +56,34 @@ from comera.pretrain.model import build_comera, build_dense, count_parameters, p
 from comera.pretrain.loop import evaluate, make_optimizer, make_schedule, mlm_loss_sum  # noqa: E402
 
 
-def load_data(p, seed: int, cache: str, log=print) -> MLMData:
-    corpus = corpus_mod.load_corpus(None, valid_fraction=0.05, seed=seed)
+def load_data(p, cache: str, log=print, heldout: float = 0.1) -> dict:
+    """Token streams of the training files and the validation and test sets
+    (fixed masks) of the held-out files; the data seed of a run is applied
+    by :func:`seeded`."""
+    from types import SimpleNamespace
+    from bench_quality import EvalSet, split_heldout
+    corpus = corpus_mod.load_corpus(None, valid_fraction=heldout, seed=0)
+    held = dict(corpus.valid)
+    valid_rels, test_rels = split_heldout(list(held))
     os.makedirs(cache, exist_ok=True)
     max_mb = p.tokenizer_max_mb
+    split = SimpleNamespace(train=corpus.train, valid=[(r, held[r]) for r in valid_rels])
     tok, train_ids, valid_ids, _ = tok_mod.load_or_build(
-        cache, corpus, vocab_size=p.vocab_size, max_train_tokens=p.max_train_tokens,
+        cache, split, vocab_size=p.vocab_size, max_train_tokens=p.max_train_tokens,
         max_valid_tokens=p.valid_blocks * p.seq_len * 2,
         tokenizer_max_bytes=None if max_mb is None else int(max_mb * 1e6), log=log)
-    return MLMData(train_ids, valid_ids, seq_len=p.seq_len, batch_size=p.batch_size,
-                   vocab_size=tok.get_vocab_size(), valid_blocks=p.valid_blocks, seed=seed)
+    test_ids = tok_mod.encode_files(tok, [held[r] for r in test_rels], p.valid_blocks * p.seq_len * 2)
+    vocab = tok.get_vocab_size()
+    return {"train_ids": train_ids, "vocab_size": vocab,
+            "valid": EvalSet(valid_ids, p.seq_len, p.valid_blocks, vocab),
+            "test": EvalSet(test_ids, p.seq_len, p.valid_blocks, vocab)}
 
 
-def fixed_rank_for(p, vocab: int, target_size: float) -> int:
-    """The uniform rank r (vocabulary layers 2r) whose converted-layer TT size
-    is the closest to ``target_size`` (in log ratio)."""
-    best = None
-    for r in range(1, p.rank + 1):
-        q = preset_copy(p, rank=r, vocab_rank=2 * r)
-        size = count_parameters(build_comera(q, vocab, 0))["converted_tt"]
-        miss = abs(math.log(size / target_size))
-        if best is None or miss < best[0]:
-            best = (miss, r)
-        if size > target_size:
-            break
-    return best[1]
+def seeded(p, data: dict, seed: int) -> MLMData:
+    """The training batches and masks of ``seed``."""
+    ids = data["train_ids"]
+    return MLMData(ids, ids[: 2 * p.seq_len], seq_len=p.seq_len, batch_size=p.batch_size,
+                   vocab_size=data["vocab_size"], valid_blocks=1, seed=seed)
 
 
 def preset_copy(p, **changes):
@@ -84,14 +94,17 @@ def preset_copy(p, **changes):
     return q
 
 
-def train_one(method: str, p, data: MLMData, *, lr: float, seed: int, target=None, rule="saliency",
-              fixed_rank=None) -> dict:
-    """One training run; returns its final validation loss and sizes."""
-    vocab = data.vocab_size
+def train_one(method: str, p, data: dict, *, lr: float, seed: int, target=None, rule="saliency",
+              fixed_ranks=None, score_test=False) -> dict:
+    """One training run (the batches and masks of ``seed``); returns its
+    final validation loss (and test loss with ``score_test``) and sizes."""
+    from bench_quality import build_fixed
+    vocab = data["vocab_size"]
+    batches = seeded(p, data, seed)
     if method == "dense":
         model = build_dense(p, vocab, seed)
     elif method == "fixed":
-        model = build_comera(preset_copy(p, rank=fixed_rank, vocab_rank=2 * fixed_rank), vocab, seed)
+        model = build_fixed(p, vocab, seed, fixed_ranks)
     else:
         model = build_comera(p, vocab, seed)
     model.train()
@@ -109,7 +122,7 @@ def train_one(method: str, p, data: MLMData, *, lr: float, seed: int, target=Non
     start = count_parameters(model)["converted_tt"]
     losses = []
     for step in range(p.steps):
-        inputs, labels = data.batch(step)
+        inputs, labels = batches.batch(step)
         loss_sum, count = mlm_loss_sum(model, inputs, labels)
         loss = loss_sum / count
         loss.backward()
@@ -124,9 +137,12 @@ def train_one(method: str, p, data: MLMData, *, lr: float, seed: int, target=Non
         ra.detach()
         comera.prune(model, opt)
     counts = count_parameters(model)
-    valid = evaluate(model, data, torch.device("cpu"), p.batch_size)
+    cpu = torch.device("cpu")
+    valid = evaluate(model, data["valid"], cpu, p.batch_size)
+    test = evaluate(model, data["test"], cpu, p.batch_size) if score_test else None
     return {"method": method, "lr": lr, "seed": seed, "target": target, "rule": rule,
-            "fixed_rank": fixed_rank, "valid_loss": valid, "train_loss_last": losses[-1],
+            "fixed_ranks": fixed_ranks, "valid_loss": valid, "test_loss": test,
+            "train_loss_last": losses[-1],
             "converted_tt_start": start, "converted_tt": counts["converted_tt"],
             "converted_dense": counts["converted_dense"],
             "compression_converted": (counts["converted_dense"] / counts["converted_tt"]
@@ -135,26 +151,30 @@ def train_one(method: str, p, data: MLMData, *, lr: float, seed: int, target=Non
             "final_ranks": comera.storage.tt_live_ranks(model) if method != "dense" else None}
 
 
-def tuned(runs_for, lrs, seeds, log):
-    """Tries every lr with the first seed, keeps the best, runs the other
-    seeds at it.  ``runs_for(lr, seed)`` trains one run."""
+def tuned(runs_for, lrs, seeds, tune_seed, log):
+    """Tries every lr with the tuning seed (validation loss only), keeps the
+    best, then trains every reported seed at it and scores the test split.
+    ``runs_for(lr, seed, score_test)`` trains one run."""
     trials = []
     for lr in lrs:
-        r = runs_for(lr, seeds[0])
-        log(f"  lr {lr:g} seed {seeds[0]}: valid {r['valid_loss']:.4f} ({r['wall_s']:.0f} s)")
+        r = runs_for(lr, tune_seed, False)
+        log(f"  lr {lr:g} tuning seed {tune_seed}: valid {r['valid_loss']:.4f} ({r['wall_s']:.0f} s)")
         trials.append(r)
     best = min(trials, key=lambda r: r["valid_loss"] if math.isfinite(r["valid_loss"]) else math.inf)
-    runs = [best]
-    for seed in seeds[1:]:
-        r = runs_for(best["lr"], seed)
-        log(f"  lr {best['lr']:g} seed {seed}: valid {r['valid_loss']:.4f} ({r['wall_s']:.0f} s)")
+    runs = []
+    for seed in seeds:
+        r = runs_for(best["lr"], seed, True)
+        log(f"  lr {best['lr']:g} seed {seed}: test {r['test_loss']:.4f} ({r['wall_s']:.0f} s)")
         runs.append(r)
-    return {"lr": best["lr"], "trials": trials, "runs": runs, **summary(runs)}
+    return {"lr": best["lr"], "trials": trials, "best_trial": best, "runs": runs, **summary(runs)}
 
 
 def summary(runs):
     v = [r["valid_loss"] for r in runs]
+    t = [r["test_loss"] for r in runs if r.get("test_loss") is not None]
     return {"valid_mean": statistics.mean(v), "valid_std": statistics.stdev(v) if len(v) > 1 else 0.0,
+            "test_mean": statistics.mean(t) if t else None,
+            "test_std": (statistics.stdev(t) if len(t) > 1 else 0.0) if t else None,
             "converted_tt_mean": statistics.mean(r["converted_tt"] for r in runs),
             "compression_mean": statistics.mean(r["compression_converted"] for r in runs)}
 
@@ -173,23 +193,38 @@ def _edge_choices(res: dict) -> list:
     return out
 
 
+def score(e: dict) -> tuple:
+    """(mean, std) of the reported loss: the test loss, or the validation
+    loss of results written before the test split existed."""
+    if e.get("test_mean") is not None:
+        return e["test_mean"], e["test_std"]
+    return e["valid_mean"], e["valid_std"]
+
+
 def markdown(res: dict) -> str:
+    test = res.get("protocol", 1) >= 2
+    intro = ("Test MLM loss (mean +- std over the seeds, lower is better) at the end of training; each "
+             "method's learning rate was chosen from the same grid by validation loss with a tuning "
+             "seed that is not one of the reported seeds; each seed sets the initialisation, the data "
+             "order and the masks; the fixed ranks are sized to the same seed's adaptive run." if test else
+             "Validation MLM loss (mean +- std over the seeds, lower is better) at the end of training; "
+             "each method's learning rate was chosen on the validation split from the same grid with "
+             "the first seed (an earlier protocol: the selection seed is inside the mean, the seeds "
+             "vary the initialisation only).")
     lines = ["# Adaptive against fixed TT ranks at equal parameter count (MLM, CPU)", "",
-             "Written by `benchmarks/bench_adaptive.py`.  Validation MLM loss (mean +- std over the "
-             "seeds, lower is better) at the end of training; each method's learning rate was chosen "
-             "on the validation split from the same grid with the first seed.  Sizes are the "
-             "converted (TT) layers' parameters.", "",
+             f"Written by `benchmarks/bench_adaptive.py`.  {intro}  Sizes are the converted (TT) "
+             "layers' parameters.", "",
              f"Command: `{res['command']}`", "", machine_line(res["machine"]), "",
              f"Settings: {res['settings']}", ""]
     if res.get("reduced"):
         lines += [f"This is a reduced run of the protocol ({res['reduced']}); the full protocol is "
                   "`python benchmarks/bench_adaptive.py` (presets tiny and small at their own step "
                   "counts, targets 15x, 25x and 40x, 3 seeds, lr grid 3e-4 to 1e-1).", ""]
-    lines += ["| preset | target | method | lr | valid loss | TT params | compression | "
+    lines += [f"| preset | target | method | lr | {'test' if test else 'valid'} loss | TT params | compression | "
               "ranks (first seed, first 3 layers) |", "|---|---|---|---|---|---|---|---|"]
     for pname, pres in res["presets"].items():
         d = pres["dense"]
-        lines.append(f"| {pname} | - | dense | {d['lr']:g} | {d['valid_mean']:.4f} +- {d['valid_std']:.4f} "
+        lines.append(f"| {pname} | - | dense | {d['lr']:g} | {score(d)[0]:.4f} +- {score(d)[1]:.4f} "
                      f"| - | 1x | - |")
         for tkey, t in pres["targets"].items():
             for m in ("adaptive", "adaptive-magnitude", "fixed"):
@@ -199,23 +234,28 @@ def markdown(res: dict) -> str:
                 ranks = e["runs"][0]["final_ranks"] or {}
                 shown = "; ".join(f"{k.split('.')[-1] if len(k) > 20 else k}: {v}"
                                   for k, v in list(ranks.items())[1:4])
-                lines.append(f"| {pname} | {tkey}x | {m} | {e['lr']:g} | {e['valid_mean']:.4f} +- "
-                             f"{e['valid_std']:.4f} | {e['converted_tt_mean']:,.0f} | "
+                lines.append(f"| {pname} | {tkey}x | {m} | {e['lr']:g} | {score(e)[0]:.4f} +- "
+                             f"{score(e)[1]:.4f} | {e['converted_tt_mean']:,.0f} | "
                              f"{e['compression_mean']:.1f}x | {shown} |")
     note = edge_note(_edge_choices(res))
     if note:
         lines += ["", note]
-    lines += ["", "Verdict (mean of the seeds; the target: adaptive <= fixed at every target):", ""]
+    lines += ["", "Verdict (mean of the seeds; adaptive wins when its loss is below fixed's by more "
+              "than the larger std of the two; the target: adaptive wins at 2 of 3 targets):", ""]
+    wins = total = 0
     for pname, pres in res["presets"].items():
         for tkey, t in pres["targets"].items():
-            a, f = t["adaptive"]["valid_mean"], t["fixed"]["valid_mean"]
-            won = "adaptive wins" if a <= f else "fixed wins"
+            (a, sa), (f, sf) = score(t["adaptive"]), score(t["fixed"])
+            spread = max(sa, sf)
+            won = "adaptive wins" if f - a > spread else "fixed wins" if a - f > spread else "within the spread"
+            wins, total = wins + (f - a > spread), total + 1
             extra = ""
             if "adaptive-magnitude" in t:
-                extra = (f"; magnitude rule {t['adaptive-magnitude']['valid_mean']:.4f}")
+                extra = (f"; magnitude rule {score(t['adaptive-magnitude'])[0]:.4f}")
             lines.append(f"- {pname}, {tkey}x: adaptive {a:.4f} vs fixed {f:.4f} "
-                         f"({(a / f - 1) * 100:+.2f}%): {won}{extra}; dense "
-                         f"{pres['dense']['valid_mean']:.4f}")
+                         f"({(a / f - 1) * 100:+.2f}%, spread {spread:.4f}): {won}{extra}; dense "
+                         f"{score(pres['dense'])[0]:.4f}")
+    lines.append(f"- adaptive wins at {wins} of {total} targets")
     return "\n".join(lines) + "\n"
 
 
@@ -232,12 +272,12 @@ def plot(res: dict, path: str) -> None:
         xs = [float(t) for t in targets]
         for m, style in (("adaptive", "o-"), ("adaptive-magnitude", "s--"), ("fixed", "^-")):
             if all(m in pres["targets"][t] for t in targets):
-                ax.errorbar(xs, [pres["targets"][t][m]["valid_mean"] for t in targets],
-                            yerr=[pres["targets"][t][m]["valid_std"] for t in targets], fmt=style,
+                ax.errorbar(xs, [score(pres["targets"][t][m])[0] for t in targets],
+                            yerr=[score(pres["targets"][t][m])[1] for t in targets], fmt=style,
                             capsize=3, label=m)
-        ax.axhline(pres["dense"]["valid_mean"], color="k", lw=1, ls=":", label="dense")
+        ax.axhline(score(pres["dense"])[0], color="k", lw=1, ls=":", label="dense")
         ax.set_xlabel("target compression of the converted layers")
-        ax.set_ylabel("validation MLM loss (mean +- std)")
+        ax.set_ylabel(("test" if res.get("protocol", 1) >= 2 else "validation") + " MLM loss (mean +- std)")
         ax.set_title(f"{pname}: {res['settings_short']}")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -277,6 +317,7 @@ def main(argv=None):
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--targets", nargs="+", type=float, default=[15.0, 25.0, 40.0])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--tune-seed", type=int, default=100, help="the seed of the lr choice (not reported)")
     ap.add_argument("--lrs", nargs="+", type=float, default=[3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
     ap.add_argument("--steps", type=int, default=None, help="default: each preset's")
     ap.add_argument("--rule", default="saliency", choices=["saliency", "magnitude"])
@@ -311,30 +352,40 @@ def main(argv=None):
         if args.steps:
             p.steps = args.steps
         p.eval_every = p.steps
-        data = load_data(p, args.seeds[0], os.path.join(REPO, args.cache, pname), log)
-        vocab = data.vocab_size
+        data = load_data(p, os.path.join(REPO, args.cache, pname), log)
+        vocab = data["vocab_size"]
         log(f"{pname}: {p.steps} steps, batch {p.batch_size} x {p.seq_len}")
         pres = {"steps": p.steps, "targets": {}}
         log("dense")
-        pres["dense"] = tuned(lambda lr, s: train_one("dense", p, data, lr=lr, seed=s), args.lrs,
-                              args.seeds, log)
+        pres["dense"] = tuned(lambda lr, s, test: train_one("dense", p, data, lr=lr, seed=s, score_test=test),
+                              args.lrs, args.seeds, args.tune_seed, log)
         dense_conv = count_parameters(build_comera(p, vocab, 0))["converted_dense"]
         for target in args.targets:
             t = {}
             log(f"{pname} target {target:g}x: adaptive ({args.rule})")
-            t["adaptive"] = tuned(lambda lr, s: train_one("adaptive", p, data, lr=lr, seed=s,
-                                                          target=target, rule=args.rule),
-                                  args.lrs, args.seeds, log)
+            t["adaptive"] = tuned(lambda lr, s, test: train_one("adaptive", p, data, lr=lr, seed=s,
+                                                                target=target, rule=args.rule,
+                                                                score_test=test),
+                                  args.lrs, args.seeds, args.tune_seed, log)
             if not args.no_magnitude:
                 other = "magnitude" if args.rule == "saliency" else "saliency"
-                log(f"{pname} target {target:g}x: adaptive ({other}) at lr {t['adaptive']['lr']:g}")
-                runs = [train_one("adaptive", p, data, lr=t["adaptive"]["lr"], seed=s, target=target,
-                                  rule=other) for s in args.seeds]
-                t["adaptive-magnitude"] = {"lr": t["adaptive"]["lr"], "runs": runs, **summary(runs)}
-            r = fixed_rank_for(p, vocab, t["adaptive"]["converted_tt_mean"])
-            log(f"{pname} target {target:g}x: fixed rank {r} (vocabulary {2 * r})")
-            t["fixed"] = tuned(lambda lr, s: train_one("fixed", p, data, lr=lr, seed=s, fixed_rank=r),
-                               args.lrs, args.seeds, log)
+                log(f"{pname} target {target:g}x: adaptive ({other}), its own lr choice")
+                t["adaptive-magnitude"] = tuned(
+                    lambda lr, s, test: train_one("adaptive", p, data, lr=lr, seed=s, target=target,
+                                                  rule=other, score_test=test),
+                    args.lrs, args.seeds, args.tune_seed, log)
+            # the fixed ranks of a seed: the size of that seed's adaptive run (the tuning
+            # seed: the chosen trial's)
+            sized = {r["seed"]: r["converted_tt"] for r in t["adaptive"]["runs"]}
+            sized[args.tune_seed] = t["adaptive"]["best_trial"]["converted_tt"]
+
+            def fixed_run(lr, s, test, target_sizes=sized):
+                ranks, size = fixed_ranks_for(p, vocab, target_sizes[s])
+                r = train_one("fixed", p, data, lr=lr, seed=s, fixed_ranks=ranks, score_test=test)
+                r["size_vs_adaptive"] = r["converted_tt"] / target_sizes[s] - 1
+                return r
+            log(f"{pname} target {target:g}x: fixed ranks at each seed's adaptive size")
+            t["fixed"] = tuned(fixed_run, args.lrs, args.seeds, args.tune_seed, log)
             t["dense_converted"] = dense_conv
             pres["targets"][f"{target:g}"] = t
         res["presets"][pname] = pres
@@ -345,6 +396,7 @@ def main(argv=None):
                        f"{res['wall_s'] / 60:.1f} min")
     res["settings_short"] = f"{len(args.seeds)} seeds, {args.steps or 'preset'} steps"
     res["args"] = vars(args)
+    res["protocol"] = 2  # test split scored once, tuning seed apart, seeded data, magnitude tuned
     res["reduced"] = reduced(res)
     device = "cpu"
     os.makedirs(RESULTS, exist_ok=True)

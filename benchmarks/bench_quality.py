@@ -425,7 +425,9 @@ def calibrate(p, data, fixed_ranks, args, log=print):
 def settings_key(p, args):
     """What a finished run depends on: a rerun with other settings does not reuse it."""
     from dataclasses import asdict
-    s = {"preset": asdict(p), "lrs": args.lrs, "ft_lrs": args.ft_lrs, "tune_fraction": args.tune_fraction,
+    # the preset's own rates and reporting cadence play no part here
+    skip = ("lr", "lr_comera", "eval_every", "checkpoint_every", "log_every", "valid_blocks")
+    s = {"preset": {k: v for k, v in asdict(p).items() if k not in skip}, "lrs": args.lrs, "ft_lrs": args.ft_lrs, "tune_fraction": args.tune_fraction,
          "tune_seed": args.tune_seed, "heldout": args.heldout, "eval_blocks": args.eval_blocks,
          "ft": [args.ft_steps, args.ft_batch, args.doc_len, args.code_len, args.pool, args.ft_max_train],
          "corpus": args.corpus, "threads": args.threads, "evals": args.evals}
