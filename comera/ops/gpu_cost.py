@@ -28,7 +28,16 @@ class GPU:
     """Peak rates of one GPU: HBM bandwidth (bytes/s), dense FLOP rates
     (FLOP/s) of the tensor cores per input type and of the CUDA cores, and
     ``launch_s``, the time one dependent launch adds (start-up and tail of a
-    kernel replayed back to back, as in a CUDA graph)."""
+    kernel replayed back to back, as in a CUDA graph).  Any function here
+    takes one in place of a name.
+
+    Example:
+        >>> from comera.ops.gpu_cost import GPU, tt_linear_gpu_cost
+        >>> mine = GPU("my GPU", bandwidth=2e12, tensor16=300e12, tf32=150e12, fp32=20e12,
+        ...            fp64_tensor=10e12, fp64=10e12, launch_s=3e-6)
+        >>> tt_linear_gpu_cost([4], [4], [1, 2, 1], 4, 4, 8, gpu=mine)["gpu"]
+        'my GPU'
+    """
     name: str
     bandwidth: float
     tensor16: float  # bfloat16 and float16 inputs, float32 accumulation
