@@ -9,6 +9,7 @@ from comera.layers import tt
 from comera.layers.base import TTLayerMixin, param_list
 from comera.ops import route
 from comera.ops.dense import dense_wt
+from comera.ops.gpu_cost import tt_linear_gpu_plan
 from comera.ops.linear import tt_linear
 from comera.ops.linear_plan import PATHS, tt_linear_plan
 
@@ -167,7 +168,8 @@ class TTLinear(TTLayerMixin, nn.Module):
                          self.num_in_cores, self.out_features, self.path)
 
     # ------------------------------------------------------------ inspection
-    def plan(self, batch: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> dict:
+    def plan(self, batch: Optional[int] = None, dtype: Optional[torch.dtype] = None, *,
+             device=None, gpu: str = "H200") -> dict:
         """The C planner's choice and cost model for ``batch`` rows (default:
         the rows of the last forward call) in ``dtype`` (default: the dtype
         the layer computes in: its own, or autocast's 16-bit dtype for a
@@ -180,12 +182,29 @@ class TTLinear(TTLayerMixin, nn.Module):
         ``"seconds"`` the planner's predicted time of one forward + backward
         on it with ``"threads"`` threads.
 
+        For ``device="cuda"`` (default: the layer's device) it is instead the
+        GPU cost model of :func:`comera.ops.gpu_cost.tt_linear_gpu_plan` on
+        ``gpu`` (``"H100"`` or ``"H200"``): FLOPs, bytes, launches and
+        predicted seconds of every CUDA launch of one forward + backward,
+        with ``torch.nn.Linear``'s beside it (``"dense"``, ``"x_vs_dense"``).
+
         Example:
-            >>> import comera
+            >>> import comera, torch
             >>> comera.TTLinear(768, 3072, rank=30).plan(4096)["path"]
             'merge'
+            >>> p = comera.TTLinear(768, 3072, rank=32).plan(4096, torch.bfloat16, device="cuda")
+            >>> p["gpu"], p["forward"]["launches"]
+            ('NVIDIA H200 SXM', {'kernel': 4, 'blas': 2, 'copy': 1})
         """
         batch = self._last_batch if batch is None else batch
+        if torch.device(self.cores[0].device if device is None else device).type == "cuda":
+            if dtype is None:
+                dtype = self.cores[0].dtype
+                if dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+                    dtype = torch.get_autocast_dtype("cuda")
+            return tt_linear_gpu_plan(self.in_shape, self.out_shape, [1] + self.ranks + [1],
+                                      self.in_features, self.out_features, batch, dtype,
+                                      bias=self.bias is not None, gpu=gpu)
         if dtype is None:
             dtype = self.cores[0].dtype
             if (dtype == torch.float32 and torch.is_autocast_enabled("cpu")
