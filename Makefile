@@ -24,10 +24,11 @@ $(STAMP): $(VPY) setup.py pyproject.toml $(shell find csrc -type f)
 
 install: $(STAMP)
 
-# The main job: tiny CodeBERT-style pre-training on the standard library,
-# dense against CoMERA, report under runs/ (a few minutes on 2 cores).
+# The main job: CodeBERT-style pre-training on the standard library, dense
+# against CoMERA (the demo preset: the mini model cut short), report under
+# runs/ (about 5 minutes on 2 cores; docs/pretrain.md, "Presets").
 demo: $(STAMP)
-	$(VPY) -m comera pretrain
+	$(VPY) -m comera pretrain --preset demo
 
 demo-mlp: $(STAMP)
 	$(VPY) examples/demo_mlp.py

@@ -171,7 +171,8 @@ def prepare_data(p, args, log=print):
     return {"vocab": vocab, "train_ids": train_ids, "valid": valid_set, "test": test_set,
             "pairs": {k: enc(pairs[k]) for k in ("train", "valid", "test")},
             "describe": {
-                "corpus": corpus.root, "train_files": len(corpus.train), "valid_files": len(valid_rels),
+                "corpus": args.corpus or f"the Python {sys.version_info[0]}.{sys.version_info[1]} standard library",
+                "train_files": len(corpus.train), "valid_files": len(valid_rels),
                 "test_files": len(test_rels), "train_tokens": int(train_ids.numel()),
                 "vocab_size": vocab,
                 "valid_blocks": int(valid_set.valid_inputs.shape[0]),
@@ -817,8 +818,8 @@ def main(argv=None):
     ap.add_argument("--tune-seed", type=int, default=100)
     ap.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--tune-fraction", type=float, default=0.5)
-    ap.add_argument("--ft-lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
-    ap.add_argument("--ft-steps", type=int, default=200)
+    ap.add_argument("--ft-lrs", nargs="+", type=float, default=[3e-4, 1e-3, 3e-3, 1e-2])
+    ap.add_argument("--ft-steps", type=int, default=2000)
     ap.add_argument("--ft-batch", type=int, default=32)
     ap.add_argument("--ft-max-train", type=int, default=20000)
     ap.add_argument("--doc-len", type=int, default=32)
@@ -830,10 +831,14 @@ def main(argv=None):
     ap.add_argument("--calib-reps", type=int, default=7)
     ap.add_argument("--corpus", default=None, help="default: the standard library")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs-dir", default=os.path.join(RESULTS, "quality_runs"))
+    ap.add_argument("--runs-dir", default=None,
+                    help="where each finished run's JSON goes (default "
+                         "benchmarks/results/quality_runs/<preset>-<steps>steps)")
     ap.add_argument("--cache", default=os.path.join(REPO, "runs", "bench-quality-cache"))
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", default=None,
+                    help="suffix of the result files (default: none at the preset's steps, "
+                         "else _<steps>steps)")
     ap.add_argument("--report-only", action="store_true", help="write the report of the finished runs")
     ap.add_argument("--commit", action="store_true", help="git-commit each run's JSON as soon as it ends")
     ap.add_argument("--quick", action="store_true", help="a tiny smoke run")
@@ -849,8 +854,12 @@ def main(argv=None):
         args.ft_steps, args.ft_batch, args.pool, args.eval_blocks = 2, 4, 8, 4
         args.doc_len, args.code_len, args.calib_reps, args.evals, args.heldout = 8, 16, 3, 3, 0.25
         args.ft_max_train = 200
+    if args.tag is None:
+        args.tag = f"_{args.steps}steps" if args.steps and args.steps != p.steps else ""
     if args.steps:
         p.steps = args.steps
+    if args.runs_dir is None:
+        args.runs_dir = os.path.join(RESULTS, "quality_runs", f"{args.preset}-{p.steps}steps")
     assert_threads(args.threads)
     command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
     store = Store(args.runs_dir, settings_key(p, args))

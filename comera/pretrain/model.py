@@ -60,20 +60,21 @@ PRESETS = {
                    steps=200, lr=1e-3, lr_comera=3e-3, eval_every=50, checkpoint_every=100,
                    max_train_tokens=1_000_000, tokenizer_max_mb=4.0, rank=16, vocab_rank=32,
                    gamma=0.5, stage1=0.3, stage2=0.4, target_compression=25.0, prune_every=20),
-    # The smallest preset whose dense model learns more than token frequencies:
-    # dense takes about 10 minutes on 2 CPU cores (1,500 steps of 32 x 128
-    # tokens, about 6M tokens, less than one pass over the standard library).
-    # Sized by measurement: see docs/pretrain.md, "Presets".
+    # The smallest preset whose dense model learns more than token frequencies,
+    # sized by measurement (docs/pretrain.md, "Presets"): dense takes about
+    # 10 minutes on 2 idle CPU cores (7,500 steps of 32 x 128 tokens, about
+    # 77 ms each: 31M tokens, about 4 passes over the standard library),
+    # CoMERA about 7.
     "mini": Preset(layers=2, hidden=128, heads=4, ffn=512, seq_len=128, vocab_size=4096, dropout=0.0,
-                   batch_size=32, steps=1500, lr=2e-3, lr_comera=4e-3, eval_every=250,
-                   checkpoint_every=500, log_every=50, max_train_tokens=8_000_000, tokenizer_max_mb=4.0,
+                   batch_size=32, steps=7500, lr=3e-3, lr_comera=3e-3, eval_every=500,
+                   checkpoint_every=1000, log_every=50, max_train_tokens=8_000_000, tokenizer_max_mb=4.0,
                    rank=16, vocab_rank=32, gamma=0.5, stage1=0.3, stage2=0.4, target_compression=25.0,
                    prune_every=50),
-    # mini cut short for `make demo`: both methods and the tokenizer in about
-    # 5 minutes on 2 CPU cores.
+    # mini cut short for `make demo`: the tokenizer and both methods in about
+    # 3 minutes on 2 idle CPU cores (at most 5 on a loaded one).
     "demo": Preset(layers=2, hidden=128, heads=4, ffn=512, seq_len=128, vocab_size=4096, dropout=0.0,
-                   batch_size=32, steps=300, lr=2e-3, lr_comera=4e-3, eval_every=50,
-                   checkpoint_every=100, log_every=10, max_train_tokens=2_000_000, tokenizer_max_mb=4.0,
+                   batch_size=32, steps=1000, lr=3e-3, lr_comera=3e-3, eval_every=100,
+                   checkpoint_every=500, log_every=20, max_train_tokens=3_000_000, tokenizer_max_mb=4.0,
                    rank=16, vocab_rank=32, gamma=0.5, stage1=0.3, stage2=0.4, target_compression=25.0,
                    prune_every=20),
     "small": Preset(layers=4, hidden=256, heads=4, ffn=1024, seq_len=256, batch_size=32, steps=3000,

@@ -460,7 +460,17 @@ def test_docstring_examples_run(module):
     assert result.failed == 0 and result.attempted > 0
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_demo_preset_is_mini_cut_short():
+    """`make demo` trains the mini model (the one the quality benchmark
+    sized), on a shorter budget, with the same rank schedule."""
+    mini, demo = preset("mini"), preset("demo")
+    same = ("layers", "hidden", "heads", "ffn", "seq_len", "vocab_size", "batch_size", "rank",
+            "vocab_rank", "gamma", "stage1", "stage2", "target_compression", "lr", "lr_comera")
+    assert {k: getattr(demo, k) for k in same} == {k: getattr(mini, k) for k in same}
+    assert demo.steps < mini.steps and demo.steps % demo.eval_every == 0
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "mini", "demo"])
 def test_demo_presets_have_a_target_at_least_twice_their_start(name):
     """`make demo` shows ranks shrinking: the preset starts above its target
     rank, and the target at least doubles the converted layers' compression."""
