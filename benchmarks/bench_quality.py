@@ -728,6 +728,15 @@ def markdown(res):
         vl = ", ".join(f"{k}: {'-' if v is None else f'{v:.4f}'}" for k, v in t["valid_loss"].items())
         fm = ", ".join(f"{k}: {'-' if v is None else f'{v:.4f}'}" for k, v in t["ft_valid_mrr"].items())
         lines.append(f"| {m} | {vl} | {t.get('chosen_lr', '-')} | {fm} | {t.get('chosen_ft_lr', '-')} |")
+    from common import edge_note, on_grid_edge
+    edges = []
+    for m, t in res["tuning"].items():
+        for key, grid in (("chosen_lr", t["valid_loss"]), ("chosen_ft_lr", t["ft_valid_mrr"])):
+            if key in t and on_grid_edge(t[key], [float(k) for k in grid]):
+                edges.append(f"{m} {'fine-tune ' if key == 'chosen_ft_lr' else ''}({t[key]:g})")
+    note = edge_note(edges)
+    if note:
+        lines += ["", note]
     lines += ["", "## Test results (mean +- std over the seeds that have finished)", "",
               "| budget | method | seeds | steps | test MLM loss | test MRR | tokens/s | encoder params | "
               "total params | TT params | peak memory growth (MB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -861,7 +870,9 @@ def main(argv=None):
     if args.runs_dir is None:
         args.runs_dir = os.path.join(RESULTS, "quality_runs", f"{args.preset}-{p.steps}steps")
     assert_threads(args.threads)
-    command = "python benchmarks/bench_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    # the command that makes (or resumes) the result: without the report-only and commit switches
+    flags = [a for a in (sys.argv[1:] if argv is None else argv) if a not in ("--report-only", "--commit")]
+    command = " ".join(["python benchmarks/bench_quality.py", *flags])
     store = Store(args.runs_dir, settings_key(p, args))
     if args.commit:
         store.on_write = commit_file
