@@ -789,7 +789,8 @@ def report(store, p, data, args, command):
     res["command"] = command
     res["data"] = data["describe"] if data else None
     res["pending"] = pending(store, p, args)
-    res["args"] = {k: v for k, v in vars(args).items() if k not in ("cache",)}
+    res["args"] = {k: v for k, v in vars(args).items() if k not in ("cache", "out")}
+    res["args"]["runs_dir"] = os.path.relpath(args.runs_dir, REPO)
     res["preset"] = p.__dict__
     out_dir = args.out or RESULTS
     os.makedirs(out_dir, exist_ok=True)
