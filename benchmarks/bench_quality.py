@@ -758,7 +758,8 @@ def markdown(res):
     if res.get("pending"):
         lines += ["", "## Not finished yet", "",
                   f"{len(res['pending'])} runs remain: {', '.join(res['pending'])}.", "",
-                  f"Resume (skips every finished run): `{res['command']}`"]
+                  f"Resume (skips every finished run; `--commit` commits each run's JSON as it ends): "
+                  f"`{res['command']} --commit`"]
     return "\n".join(lines) + "\n"
 
 
