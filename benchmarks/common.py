@@ -6,6 +6,8 @@ import json
 import os
 import resource
 
+from comera.ops import route
+
 
 def keep_freed_memory():
     """Keeps freed memory in glibc's heap instead of unmapping it, so that a
@@ -45,8 +47,14 @@ def pool_off(fn):
 
 def routed(fn):
     """fn with comera's routing to torch's BLAS switched on for the call
-    (COMERA_ROUTE=auto; off by default, comera.ops.route)."""
-    return with_env(fn, "COMERA_ROUTE", "auto")
+    (route mode "auto"; off by default, comera.ops.route)."""
+    def run():
+        previous = route.set_mode("auto")
+        try:
+            return fn()
+        finally:
+            route.set_mode(previous)
+    return run
 
 
 def max_rss_bytes():

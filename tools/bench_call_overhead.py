@@ -1,53 +1,135 @@
-"""Per-call cost of the torch glue: TTLinear(128, 512, rank=16) forward on one
-row, one thread, median of 200 calls (after 50 warm-up calls), in microseconds.
-Also the bare operator call (torch.ops.comera.tt_linear) on the same inputs,
-and on zero rows (the glue alone: boxing, checks, prepare, output allocation).
+"""Host cost of one small call: what a layer costs when its kernel is almost
+free and the per-call work (Python, the dispatcher, the torch glue, autograd)
+is all there is.  One thread, one process, every case timed interleaved with
+its dense counterpart (benchmarks/timing.py: shuffled rounds, wall clock;
+each round times ``--calls`` calls and reports the median per call):
 
-    python tools/bench_call_overhead.py [--repeat N]
+* TTLinear(128, 512, rank=16) against nn.Linear(128, 512), one row: forward
+  without gradients, and forward + backward (gradients set to None first);
+* TTEmbedding(30522, 768) against nn.Embedding, 8 tokens, forward without
+  gradients;
+* the autograd floor: an ``autograd.Function`` that only copies its input,
+  with as many parameter inputs as TTLinear has (cores, gates, bias: 12) and
+  as nn.Linear has (2), forward + backward.  It is what the engine charges
+  per leaf (one gradient accumulation each), whatever the kernels do.
+
+    python tools/bench_call_overhead.py [--calls 200] [--reps 15] [--out host_cost_cpu]
+
+Writes benchmarks/results/<out>.json and .md (with the machine record and a
+``targets`` list).
 """
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 import comera
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from common import write_results  # noqa: E402
+from timing import (finish_record, interleaved, machine_line, machine_record,  # noqa: E402
+                    paired_ratio)
 
-def median_us(fn, n, warmup=50):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+
+class CopyWithLeaves(torch.autograd.Function):
+    """y = x; every other input is a leaf that gets a (zero) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, *leaves):
+        ctx.shapes = [p.shape for p in leaves]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, gy):
+        return (gy, *(gy.new_zeros(s) for s in ctx.shapes))
+
+
+def batch_of(fn, calls):
+    def run():
+        for _ in range(calls):
+            fn()
+    return run
+
+
+def fwd_bwd(module, x, gy):
+    params = list(module.parameters())
+
+    def run():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        module(x).backward(gy)
+    return run
+
+
+def cases():
+    torch.manual_seed(0)
+    tt, dense = comera.TTLinear(128, 512, rank=16), torch.nn.Linear(128, 512)
+    x1, xg, gy = torch.randn(1, 128), torch.randn(1, 128, requires_grad=True), torch.randn(1, 512)
+    emb_tt, emb = comera.TTEmbedding(30522, 768), torch.nn.Embedding(30522, 768)
+    tokens = torch.randint(0, 30522, (8,))
+    leaves_tt = [torch.nn.Parameter(p.detach().clone()) for p in tt.parameters()]
+    leaves_dense = [torch.nn.Parameter(p.detach().clone()) for p in dense.parameters()]
+
+    def floor(leaves):
+        def run():
+            for p in leaves:
+                p.grad = None
+            xg.grad = None
+            CopyWithLeaves.apply(xg, *leaves).backward(torch.ones_like(xg))
+        return run
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    return {
+        "linear_forward": (no_grad(lambda: tt(x1)), no_grad(lambda: dense(x1)), 1.5),
+        "linear_forward_backward": (fwd_bwd(tt, xg, gy), fwd_bwd(dense, xg, gy), 1.5),
+        "embedding_forward": (no_grad(lambda: emb_tt(tokens)), no_grad(lambda: emb(tokens)), 2.0),
+        "autograd_floor_12_vs_2_leaves": (floor(leaves_tt), floor(leaves_dense), None),
+    }
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--repeat", type=int, default=5, help="report the best of this many medians")
+    ap.add_argument("--calls", type=int, default=200, help="calls per timed round")
+    ap.add_argument("--reps", type=int, default=15, help="interleaved rounds")
+    ap.add_argument("--out", default="host_cost_cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    layer = comera.TTLinear(128, 512, rank=16)
-    x = torch.randn(1, 128)
-    cores, gates = list(layer.cores), list(layer.gates)
-    num_in = layer.num_in_cores if hasattr(layer, "num_in_cores") else len(cores) // 2
-    bias = layer.bias
-    op = torch.ops.comera.tt_linear.default
-    with torch.no_grad():
-        layer_us = min(median_us(lambda: layer(x), args.calls) for _ in range(args.repeat))
-        op_us = min(median_us(lambda: op(x, cores, gates, bias, num_in, 512, 0), args.calls)
-                    for _ in range(args.repeat))
-        x0 = x[:0]  # no rows: checks, prepare and output allocation, no kernel
-        glue_us = min(median_us(lambda: op(x0, cores, gates, bias, num_in, 512, 0), args.calls)
-                      for _ in range(args.repeat))
-    print(f"torch {torch.__version__}: TTLinear(128, 512, rank=16) forward, batch 1, 1 thread: "
-          f"layer {layer_us:.1f} us, op {op_us:.1f} us, op on 0 rows {glue_us:.1f} us (median of {args.calls}, best of "
-          f"{args.repeat})")
+    rec = machine_record()
+    rows, targets, out = [], [], {}
+    for name, (tt_fn, dense_fn, want) in cases().items():
+        r = interleaved({"comera": batch_of(tt_fn, args.calls), "dense": batch_of(dense_fn, args.calls)},
+                        reps=args.reps, warmup=2)
+        us = {k: r[k]["wall"]["median"] / args.calls * 1e6 for k in r}
+        ratio = paired_ratio(r["comera"]["samples"], r["dense"]["samples"])
+        out[name] = {"comera_us": us["comera"], "dense_us": us["dense"], "ratio": ratio,
+                     "comera_iqr_us": r["comera"]["wall"]["iqr"] / args.calls * 1e6,
+                     "dense_iqr_us": r["dense"]["wall"]["iqr"] / args.calls * 1e6}
+        if want is not None:
+            targets.append({"name": f"{name}: comera / dense time", "want": f"<= {want}",
+                            "got": round(ratio["median"], 3), "met": ratio["median"] <= want})
+        rows.append(f"| {name} | {us['comera']:.1f} | {us['dense']:.1f} | "
+                    f"{ratio['median']:.2f} ({ratio['lo']:.2f}-{ratio['hi']:.2f}) | "
+                    f"{'' if want is None else ('<= ' + str(want))} |")
+    finish_record(rec)
+    command = "python tools/bench_call_overhead.py " + " ".join(sys.argv[1:])
+    payload = {"command": command.strip(), "machine": rec, "calls_per_round": args.calls,
+               "rounds": args.reps, "cases": out, "targets": targets}
+    md = "\n".join([
+        "# Host cost of small calls (CPU, 1 thread)", "",
+        f"Command: `{payload['command']}`", "", machine_line(rec), "",
+        "Microseconds per call, median over interleaved rounds of "
+        f"{args.calls} calls; ratio: median of the per-round ratios (95% bootstrap interval).", "",
+        "| case | comera (us) | dense (us) | ratio | target |", "|---|---|---|---|---|", *rows, "",
+        "Targets: " + "; ".join(f"{t['name']} {t['want']}: {t['got']} "
+                                f"({'met' if t['met'] else 'missed'})" for t in targets), ""])
+    write_results(args.out, payload, md)
 
 
 if __name__ == "__main__":

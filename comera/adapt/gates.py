@@ -15,6 +15,7 @@ step never needs host data, nor reads the device.
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -89,6 +90,9 @@ class FlatGates:
             if self.spread:
                 parts = [on_device(p, t.device) for p, t in zip(parts, tensors)]
             torch._foreach_copy_([t.data for t in tensors], parts)
+            # writes through .data: bump the version counters so that what is
+            # kept per parameter version (a layer's merged V and U) is renewed
+            increment_version(list(tensors))
 
     def per_entry(self, per_gate: torch.Tensor) -> torch.Tensor:
         """One value per gate (a tensor) repeated over its entries (a flat tensor)."""

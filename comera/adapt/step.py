@@ -23,6 +23,7 @@ its loops early.
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 from torch import nn
 
 from comera.adapt.controller import INF, RankController
@@ -117,6 +118,7 @@ class GateStep:
         if kill and lr is not None:
             self._shrink(state, fg, gates, flat, lr, ok & ~frozen0)
         live = gate_prox_([g.data for g in gates], state.signs, self.threshold, ctl.min_rank, kill)
+        increment_version(gates)  # written through .data: see FlatGates.write_
         if sync and bool((live < 0).any()):
             raise self.nan_error((live < 0).tolist())
         if review:

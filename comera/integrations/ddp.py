@@ -24,6 +24,7 @@ for the new shapes.
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -73,6 +74,7 @@ def sync_gates(model: nn.Module, src: int = 0, group=None) -> None:
     for _, layer in tt_layers(model):
         for g in layer.gates:
             dist.broadcast(g.data, src=src, group=group)
+        increment_version(list(layer.gates))  # written through .data
 
 
 def all_ranks(model: nn.Module) -> Dict[str, List[int]]:

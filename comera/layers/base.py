@@ -19,6 +19,7 @@ import math
 from typing import Dict, Iterator, List, Tuple
 
 import torch
+from torch.autograd.graph import increment_version
 from torch import nn
 
 if torch.distributed.is_available():
@@ -162,6 +163,9 @@ def replace_data(param: nn.Parameter, new: torch.Tensor) -> None:
     other = torch.float64 if new.dtype != torch.float64 else torch.float32
     param.data = torch.empty(0, dtype=other, device=new.device)
     param.data = new
+    # .data keeps the version counter: bump it, so that what is kept per
+    # parameter version (a TTLinear's merged V and U) is renewed
+    increment_version(param)
 
 
 def _layer_name(prefix: str) -> str:

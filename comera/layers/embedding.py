@@ -9,11 +9,12 @@ from torch import nn
 from comera.layers import tt
 from comera.layers.base import TTLayerMixin, param_list, replace_data
 from comera.ops.dense import ttm_full
-from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan
+from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan, tt_embedding_rows
 from comera.ops.gpu_cost import tt_embedding_gpu_cost
 
 DEFAULT_CORES = 3
 _HALF = (torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def arrange_row_modes(row_modes: Sequence[int]) -> List[int]:
@@ -271,12 +272,18 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Plain mode: ``input`` of any shape -> ``(*input.shape, embedding_dim)``.
         Bag modes: as :meth:`torch.nn.EmbeddingBag.forward`."""
+        cores = param_list(self.cores)
+        if (self.mode is None and offsets is None and per_sample_weights is None
+                and isinstance(input, torch.Tensor) and input.dtype in _INDEX_DTYPES
+                and input.device == cores[0].device):  # a plain lookup, checked
+            return tt_embedding_rows(input, cores, param_list(self.gates), self.num_embeddings,
+                                     self.embedding_dim, self.padding_idx, self.reuse,
+                                     self.capturable)
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"TTEmbedding expects a Tensor of indices, got {type(input).__name__}")
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"TTEmbedding input must be an int64 or int32 tensor of indices, "
                             f"got {input.dtype}")
-        cores = param_list(self.cores)
         w = cores[0]
         if input.device != w.device:
             raise ValueError(f"TTEmbedding input is on {input.device} but the layer is on {w.device}")

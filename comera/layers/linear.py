@@ -10,7 +10,7 @@ from comera.layers.base import TTLayerMixin, param_list
 from comera.ops import route
 from comera.ops.dense import dense_wt
 from comera.ops.gpu_cost import tt_linear_gpu_plan
-from comera.ops.linear import tt_linear
+from comera.ops.linear import Prepared, tt_linear_prepared
 from comera.ops.linear_plan import PATHS, tt_linear_plan
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -97,7 +97,7 @@ class TTLinear(TTLayerMixin, nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features, **factory))
         else:
             self.register_parameter("bias", None)
-        self._last_batch = 1
+        self._prepared = Prepared()  # per parameter version: see comera.ops.linear
         self.reset_parameters()
 
     @torch.no_grad()
@@ -125,6 +125,32 @@ class TTLinear(TTLayerMixin, nn.Module):
             bound = 1.0 / math.sqrt(self.in_features)
             self.bias.uniform_(-bound, bound)
 
+    def clear_prepared(self) -> None:
+        """Drops what the layer keeps per parameter version (its merged ``V``
+        and ``U``, :class:`comera.ops.linear.Prepared`).  In-place updates,
+        ``.to()`` and a call with gradients renew them by themselves; call this
+        after writing a parameter through ``param.data``.
+
+        Example:
+            >>> import torch, comera
+            >>> layer = comera.TTLinear(16, 8, rank=2)
+            >>> layer.cores[0].data = torch.zeros_like(layer.cores[0])
+            >>> layer.clear_prepared()
+            >>> with torch.no_grad():
+            ...     bool(layer(torch.randn(1, 16)).sub(layer.bias).abs().max() == 0)
+            True
+        """
+        self._prepared.clear()
+
+    def _apply(self, fn, recurse=True):  # .to(), .double(), .cuda(), to_empty(): new data
+        self._prepared.clear()
+        return super()._apply(fn, recurse)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "_prepared" not in self.__dict__:  # pickled before the layer kept one
+            self._prepared = Prepared()
+
     # ----------------------------------------------------------------- shape
     @property
     def ranks(self) -> List[int]:
@@ -147,12 +173,20 @@ class TTLinear(TTLayerMixin, nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` of shape ``(*, in_features)`` -> ``(*, out_features)``, as
         :meth:`torch.nn.Linear.forward` (its argument has the same name)."""
-        x = input
+        x, cores = input, param_list(self.cores)
+        w = cores[0]
+        if not (isinstance(x, torch.Tensor) and x.dtype == w.dtype and x.ndim
+                and x.shape[-1] == self.in_features and x.device == w.device):
+            self._check_input(x, w)  # raises, or accepts a 16-bit x or autocast
+        return tt_linear_prepared(x, cores, param_list(self.gates), self.bias,
+                                  len(self.in_shape), self.out_features, self.path,
+                                  self._prepared)
+
+    def _check_input(self, x, w) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"TTLinear expects a Tensor input, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"TTLinear input must be a floating-point tensor, got {x.dtype}")
-        w = self.cores[0]
         if x.dtype != w.dtype and not (x.dtype in _HALF and w.dtype == torch.float32) \
                 and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"TTLinear input dtype {x.dtype} does not match the layer's {w.dtype} "
@@ -162,10 +196,6 @@ class TTLinear(TTLayerMixin, nn.Module):
                              f"got {tuple(x.shape)}")
         if x.device != w.device:
             raise ValueError(f"TTLinear input is on {x.device} but the layer is on {w.device}")
-        if not torch.compiler.is_compiling():
-            self._last_batch = max(1, x.numel() // self.in_features)
-        return tt_linear(x, param_list(self.cores), param_list(self.gates), self.bias,
-                         self.num_in_cores, self.out_features, self.path)
 
     # ------------------------------------------------------------ inspection
     def plan(self, batch: Optional[int] = None, dtype: Optional[torch.dtype] = None, *,
@@ -196,7 +226,7 @@ class TTLinear(TTLayerMixin, nn.Module):
             >>> p["gpu"], p["forward"]["launches"]
             ('NVIDIA H200 SXM', {'kernel': 4, 'blas': 2, 'copy': 1})
         """
-        batch = self._last_batch if batch is None else batch
+        batch = self._prepared.rows if batch is None else batch
         if torch.device(self.cores[0].device if device is None else device).type == "cuda":
             if dtype is None:
                 dtype = self.cores[0].dtype
@@ -295,6 +325,7 @@ class TTLinear(TTLayerMixin, nn.Module):
             g.data = torch.ones(c.shape[-1], dtype=g.dtype, device=g.device)
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias.detach().to(self.bias.dtype))
+        self.clear_prepared()
         return self
 
     def extra_repr(self) -> str:

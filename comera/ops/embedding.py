@@ -8,13 +8,13 @@ bodies, compiled once per dtype as ``cpu_f32.c`` and ``cpu_f64.c``),
 ``comera::tt_embedding``, ``comera::tt_embedding_backward`` and
 ``comera::tt_embedding_plan`` are in ``csrc/registration.cpp``.
 """
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from comera import _C  # noqa: F401  (registers the operators)
 from comera.ops.dense import ttm_table
-from comera.ops.func import (any_batched, composite_vjp, func_active, legacy_batched, needs_graph,
+from comera.ops.func import (any_batched, composite_vjp, eager_apply, func_active, legacy_batched, needs_graph,
                              register_loop_vmap, unview_reshape)
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -182,11 +182,14 @@ class TTEmbeddingFunction(torch.autograd.Function):
         return out
 
 
+_apply_embedding = eager_apply(TTEmbeddingFunction)
+
+
 def _run(indices, offsets, psw, cores, gates, *args):
     if torch.compiler.is_compiling():  # the compiled graph holds the operator
         return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
     if torch.is_grad_enabled() or func_active():
-        return TTEmbeddingFunction.apply(indices, offsets, psw, args, len(cores), *cores, *gates)
+        return _apply_embedding(indices, offsets, psw, args, len(cores), *cores, *gates)
     with torch._C._AutoDispatchBelowAutograd():  # nothing to record
         return torch.ops.comera.tt_embedding.default(indices, offsets, psw, list(cores),
                                                      list(gates), *args)
@@ -372,6 +375,33 @@ def tt_embedding(input: torch.Tensor, cores: Sequence[torch.Tensor],
     out = _run(input, offsets, per_sample_weights, cores, gates, num_embeddings, embedding_dim,
                 pad, MODES[mode], REUSE[reuse])
     return _out(out, dtype)
+
+
+def tt_embedding_rows(input: torch.Tensor, cores: List[torch.Tensor],
+                      gates: List[torch.Tensor], num_embeddings: int, embedding_dim: int,
+                      padding_idx: Optional[int] = None, reuse: str = "auto",
+                      capturable: bool = False) -> torch.Tensor:
+    """:func:`tt_embedding` in plain mode for a caller that has checked its
+    own arguments once (``TTEmbedding``): ``input`` an int64/int32 tensor on
+    the cores' device.  The same result in fewer steps: a one-token lookup
+    is mostly per-call overhead.
+
+    Example:
+        >>> import torch, comera
+        >>> from comera.ops.embedding import tt_embedding_rows
+        >>> emb = comera.TTEmbedding(100, 12, rank=4)
+        >>> idx = torch.tensor([[1, 2], [3, 1]])
+        >>> args = (list(emb.cores), list(emb.gates), 100, 12)
+        >>> torch.equal(tt_embedding_rows(idx, *args), comera.ops.tt_embedding(idx, *args))
+        True
+    """
+    if cores[0].dtype in _HALF or not input.is_cpu:  # casts, device checks: the full path
+        return tt_embedding(input, cores, gates, num_embeddings, embedding_dim,
+                            padding_idx=padding_idx, reuse=reuse, capturable=capturable)
+    flat = input if input.dim() == 1 else input.reshape(-1)
+    out = _run(flat, None, None, cores, gates, num_embeddings, embedding_dim,
+               -1 if padding_idx is None else padding_idx, 0, REUSE[reuse])
+    return out if input.dim() == 1 else unview_reshape(out, (*input.shape, embedding_dim))
 
 
 def tt_embedding_plan(input: torch.Tensor, row_shape: Sequence[int], dim_shape: Sequence[int],

@@ -43,6 +43,42 @@ def func_active() -> bool:
     return (_peek() is not None or forward_ad._current_level >= 0) and not _compiling()
 
 
+def eager_apply(cls: type) -> Callable:
+    """``cls.apply`` for calls made while no torch.func transform is active:
+    ``autograd.Function.apply`` binds the arguments to ``forward``'s
+    signature with ``inspect`` on every call of a Function that has
+    ``setup_context`` (for default arguments, which comera's Functions do not
+    have) and then calls the C ``apply`` below it, which this calls directly.
+    Under a transform, ``cls.apply`` itself.
+
+    Example:
+        >>> import torch
+        >>> class Double(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(x):
+        ...         return 2 * x
+        ...     @staticmethod
+        ...     def setup_context(ctx, inputs, output):
+        ...         pass
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return 2 * g
+        >>> eager_apply(Double)(torch.ones(2, requires_grad=True)).grad_fn is not None
+        True
+    """
+    below = super(torch.autograd.Function, cls).apply
+    transforms_active = torch._C._are_functorch_transforms_active
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+    def apply(first, *args):
+        if transforms_active():
+            return cls.apply(first, *args)
+        # what Function.apply does to tensors that outlived a transform; the
+        # other arguments are a layer's parameters
+        return below(unwrap_if_dead(first), *args)
+    return apply
+
+
 def _pick(value, dim: Optional[int], b: int):
     if dim is None or value is None:
         return value

@@ -6,7 +6,8 @@ kernels' body, compiled once per dtype as ``cpu_f32.c`` and ``cpu_f64.c``),
 ``comera::tt_linear``, ``comera::tt_linear_backward`` and
 ``comera::tt_linear_plan`` are in ``csrc/registration.cpp``.
 """
-from typing import Optional, Sequence
+import operator
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -14,8 +15,8 @@ from comera import _C  # noqa: F401  (registers the operators)
 from comera.ops import route
 from comera.ops.dense import merge
 from comera.ops.linear_plan import PATHS
-from comera.ops.func import (any_batched, composite_vjp, func_active, legacy_batched, needs_graph,
-                             register_loop_vmap, unview_reshape)
+from comera.ops.func import (any_batched, composite_vjp, eager_apply, func_active, legacy_batched,
+                             needs_graph, register_loop_vmap, unview_reshape)
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -119,7 +120,8 @@ class TTLinearFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, bias, num_in_cores, out_features, path, num_cores, *cg = inputs
         ctx.save_for_backward(x, output[1], *cg)
-        ctx.save_for_forward(x, *cg)
+        if func_active():  # only a transform or forward-mode AD asks for the jvp
+            ctx.save_for_forward(x, *cg)
         ctx.mark_non_differentiable(output[1])
         ctx.args = (num_cores, bias is not None, num_in_cores, out_features, path)
 
@@ -159,6 +161,9 @@ class TTLinearFunction(torch.autograd.Function):
         if out is None:
             out = x.new_zeros(x.shape[0], out_features)
         return out, None
+
+
+_apply_linear = eager_apply(TTLinearFunction)
 
 
 def _fold_forward(info, in_dims, x, cores, gates, bias, num_in_cores, out_features, path):
@@ -211,6 +216,112 @@ def _autocast_dtype(x: torch.Tensor, compute: torch.dtype) -> Optional[torch.dty
     return torch.get_autocast_dtype(dev)
 
 
+class Prepared:
+    """What a TT linear layer keeps between calls, per parameter version:
+    ``V`` (in_features x r) and ``U`` (r x out_features), merged from the
+    cores with the gates folded in, for calls without gradients of at most
+    :data:`CACHED_MACS` multiply-adds (one row, a short batch: generation,
+    evaluation), which then run ``addmm(bias, x V, U)`` instead of merging or
+    contracting the cores again; and the rows of the last call (the default
+    of ``TTLinear.plan``).
+
+    The key is every parameter object and its version counter: an in-place
+    update (an optimizer step, ``load_state_dict``, ``reset_parameters``, the
+    gate step, pruning) or a new Parameter in the layer makes the next call
+    merge again, and the layer drops the pair on ``.to()``.  A write through
+    ``param.data`` is invisible to the version counter (as it is to
+    autograd's own checks), so every call with gradients (a training step is
+    coming) drops the pair too; after writing parameters through ``.data``
+    outside training, call ``TTLinear.clear_prepared()``.
+
+    Example:
+        >>> import torch, comera
+        >>> layer = comera.TTLinear(64, 32, rank=4)
+        >>> with torch.no_grad():
+        ...     y = layer(torch.randn(1, 64))
+        >>> layer._prepared.v.shape, layer._prepared.u.shape
+        (torch.Size([64, 4]), torch.Size([4, 32]))
+    """
+    __slots__ = ("key", "params", "v", "u", "rows")
+
+    def __init__(self):
+        self.key, self.params, self.v, self.u, self.rows = None, (), None, None, 1
+
+    def clear(self) -> None:
+        """Drops the merged pair (the next call without gradients merges again)."""
+        self.key = self.v = self.u = None
+        self.params = ()
+
+    def __getstate__(self):  # copies and pickles carry no merged pair
+        return {"rows": self.rows}
+
+    def __setstate__(self, state):
+        self.clear()
+        self.rows = state.get("rows", 1)
+
+    def merged(self, cores, gates, bias, num_in_cores, in_features, out_features):
+        """``(V, U)`` for these parameters, merged again only when one changed."""
+        params = cores + gates if bias is None else cores + gates + [bias]
+        key = [p._version for p in params]
+        if key != self.key or not all(map(operator.is_, params, self.params)):
+            p = num_in_cores
+            with torch.no_grad():
+                v = merge(cores[:p], gates[:p])
+                u = merge(cores[p:], gates[p:]).reshape(v.shape[1], -1)
+                self.v = v[:in_features].contiguous()
+                self.u = u[:, :out_features].contiguous()
+            self.key, self.params = key, params
+        return self.v, self.u
+
+
+CACHED_MACS = 1 << 20
+"""Calls without gradients of at most this many multiply-adds in the two
+merged products (rows x r x (in + out)) reuse a layer's merged ``V`` and
+``U`` (:class:`Prepared`); larger ones are dominated by the products, which
+the C kernels run."""
+
+
+_CACHED_DTYPES = (torch.float32, torch.float64)
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+def tt_linear_prepared(x: torch.Tensor, cores: List[torch.Tensor], gates: List[torch.Tensor],
+                       bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
+                       path: str, prepared: Prepared) -> torch.Tensor:
+    """:func:`tt_linear` for a layer that keeps a :class:`Prepared`: a small
+    call without gradients reuses its merged ``V`` and ``U``; a call with
+    gradients drops them and runs the operator.
+
+    Example:
+        >>> import torch, comera
+        >>> from comera.ops.linear import Prepared, tt_linear, tt_linear_prepared
+        >>> layer, prep = comera.TTLinear(12, 6, rank=3), Prepared()
+        >>> x = torch.randn(2, 12)
+        >>> args = (list(layer.cores), list(layer.gates), layer.bias, 2, 6)
+        >>> with torch.no_grad():
+        ...     torch.allclose(tt_linear_prepared(x, *args, "auto", prep), tt_linear(x, *args))
+        True
+    """
+    if torch.compiler.is_compiling():  # the graph holds the operator; no side effects
+        return tt_linear(x, cores, gates, bias, num_in_cores, out_features, path)
+    in_features = x.shape[-1]
+    rows = x.numel() // in_features if in_features else 0
+    prepared.rows = rows or 1
+    if torch.is_grad_enabled():
+        prepared.key = None  # a training step is coming
+    # the merged pair serves plain float32/float64 calls: no autocast, no transform
+    elif (rows and rows * cores[num_in_cores - 1].shape[-1] * (in_features + out_features)
+          <= CACHED_MACS and x.dtype == cores[0].dtype and x.dtype in _CACHED_DTYPES
+          and type(x) is torch.Tensor and type(cores[0]) is torch.nn.Parameter
+          and not _any_autocast() and not func_active()):
+        v, u = prepared.merged(cores, gates, bias, num_in_cores, in_features, out_features)
+        x2 = x if x.dim() == 2 else x.reshape(rows, in_features)
+        y = torch.mm(x2, v)
+        y = torch.mm(y, u) if bias is None else torch.addmm(bias, y, u)
+        return y if x.dim() == 2 else unview_reshape(y, (*x.shape[:-1], out_features))
+    return tt_linear(x, cores, gates, bias, num_in_cores, out_features, path)
+
+
 def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor],
               bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
               path: str = "auto") -> torch.Tensor:
@@ -244,6 +355,20 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         torch.Size([3, 4])
     """
     compute = cores[0].dtype
+    if (x.dtype == compute and route._mode == "comera" and not _any_autocast()
+            and not torch.compiler.is_compiling()):
+        # the usual call, in fewer steps: x in the layer's dtype, no autocast,
+        # no routing (a third of a one-row call's time was these checks)
+        x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+        if torch.is_grad_enabled() or func_active():
+            y, _ = _apply_linear(x2, bias, num_in_cores, out_features, PATHS[path], len(cores),
+                                 *cores, *gates)
+        else:  # nothing to record
+            with torch._C._AutoDispatchBelowAutograd():
+                y, _ = torch.ops.comera.tt_linear.default(x2, list(cores), list(gates), bias,
+                                                          num_in_cores, out_features,
+                                                          PATHS[path])
+        return y if x.dim() == 2 else unview_reshape(y, (*x.shape[:-1], out_features))
     autocast = x.is_cuda and torch.is_autocast_enabled("cuda") and compute == torch.float32
     if autocast:
         compute = torch.get_autocast_dtype("cuda")
@@ -273,8 +398,8 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
                                                out_features, path):
         y = route.merge_torch(x2, cores, gates, bias, num_in_cores, out_features)
     elif torch.is_grad_enabled() or func_active():
-        y, _ = TTLinearFunction.apply(x2, bias, num_in_cores, out_features, code, len(cores),
-                                      *cores, *gates)
+        y, _ = _apply_linear(x2, bias, num_in_cores, out_features, code, len(cores),
+                              *cores, *gates)
     else:  # nothing to record
         with torch._C._AutoDispatchBelowAutograd():
             y, _ = torch.ops.comera.tt_linear.default(x2, cores, gates, bias, num_in_cores,

@@ -6,7 +6,7 @@ then ``T U``; four more in its backward) around two small merges of the
 cores.  comera's C kernels run them; on some machines and shapes the BLAS
 that torch already carries is as fast (wide ranks on an AVX-512 Xeon,
 docs/design.md section 5).  With ``COMERA_ROUTE=auto`` in the environment
-(read per call), a float32 CPU call with ``path="auto"`` whose forward costs
+when comera is imported, or after :func:`set_mode` ``("auto")``, a float32 CPU call with ``path="auto"`` whose forward costs
 at least :data:`MIN_FLOPS` is timed once both ways, on its own input
 (forward, and backward when gradients are wanted; interleaved, the fastest
 of 5 rounds after a warm-up), and the faster way is cached per key: core
@@ -32,7 +32,7 @@ Example:
     >>> layer = comera.TTLinear(256, 256, rank=8)
     >>> layer(torch.randn(8, 256)).shape
     torch.Size([8, 256])
-    >>> layer.plan(8)["route"]["choice"]   # COMERA_ROUTE unset: the C kernels
+    >>> layer.plan(8)["route"]["choice"]   # mode 'comera' (the default): the C kernels
     'comera'
 """
 import os
@@ -54,6 +54,38 @@ _ROUNDS = 5
 _choices: Dict[tuple, dict] = {}
 
 
+def _checked(mode: str, source: str) -> str:
+    if mode not in _MODES:
+        raise ValueError(f"{source} must be one of {', '.join(_MODES)}, got {mode!r}")
+    return mode
+
+
+# read once: a call checks this flag, never the environment
+_mode = _checked(os.environ.get(ENV) or "comera", ENV)
+
+
+def set_mode(mode: str) -> str:
+    """Sets the routing mode (``"comera"``, ``"auto"`` or ``"torch"``; the
+    initial one comes from ``COMERA_ROUTE`` at import) and returns the
+    previous one.
+
+    Example:
+        >>> from comera.ops import route
+        >>> previous = route.set_mode("auto")
+        >>> route.mode()
+        'auto'
+        >>> _ = route.set_mode(previous)
+    """
+    global _mode
+    previous, _mode = _mode, _checked(mode, "mode")
+    return previous
+
+
+def mode() -> str:
+    """The routing mode in force (see :func:`set_mode`)."""
+    return _mode
+
+
 def clear() -> None:
     """Forgets every measured choice (the next eligible call is timed again).
 
@@ -69,13 +101,6 @@ def clear() -> None:
 def choices() -> Dict[tuple, dict]:
     """A copy of the cache: key -> ``{"choice", "comera_s", "torch_s"}``."""
     return dict(_choices)
-
-
-def _mode() -> str:
-    mode = os.environ.get(ENV) or "comera"
-    if mode not in _MODES:
-        raise ValueError(f"{ENV} must be one of {', '.join(_MODES)}, got {mode!r}")
-    return mode
 
 
 def _key(cores: Sequence[torch.Tensor], has_bias: bool, rows: int, grad: bool) -> tuple:
@@ -167,10 +192,8 @@ def use_torch(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
               bias: Optional[torch.Tensor], num_in_cores: int, out_features: int,
               path: str) -> bool:
     """Whether this call (``x`` 2-D, in the compute dtype) runs in torch ops."""
-    if path != "auto" or not os.environ.get(ENV):
-        return False  # the default: one env lookup per forward
-    mode = _mode()
-    if mode == "comera":
+    mode = _mode
+    if mode == "comera" or path != "auto":
         return False
     rows, in_features = x.shape
     if mode == "auto" and _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
@@ -203,12 +226,12 @@ def describe(cores: Sequence[torch.Tensor], has_bias: bool, num_in_cores: int, i
     dev, dtype = cores[0].device.type, cores[0].dtype
     if dev != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return {"choice": "comera", "why": f"only float32 CPU calls are routed ({dev}, {dtype})"}
-    if not os.environ.get(ENV):
-        return {"choice": "comera", "why": f"{ENV} unset: the C kernels (routing is opt-in, "
-                f"{ENV}=auto)"}
-    mode = _mode()
+    mode = _mode
+    if mode == "comera":
+        return {"choice": "comera", "why": "mode 'comera': the C kernels (routing is opt-in: "
+                f"{ENV}=auto or route.set_mode('auto'))"}
     if mode != "auto":
-        return {"choice": mode, "why": f"{ENV}={mode}"}
+        return {"choice": mode, "why": f"mode {mode!r}"}
     if _flops(cores, num_in_cores, rows, in_features, out_features) < MIN_FLOPS:
         return {"choice": "comera", "why": f"below MIN_FLOPS ({MIN_FLOPS:g}): never timed"}
     out = {"choice": "not timed yet", "why": "timed at the first call with this key"}

@@ -40,7 +40,10 @@ static inline void gemm_unpacked(int64_t M, int64_t N, int64_t K, const REAL *A,
         for (int64_t k = 0; k < K; k++) {
             REAL s = A[i * rsa + k * csa];
             const REAL *b = B + k * rsb;
-            for (int64_t j = 0; j < N; j++) c[j] += s * b[j * csb];
+            if (csb == 1)  /* the usual case, and one the compiler vectorises */
+                for (int64_t j = 0; j < N; j++) c[j] += s * b[j];
+            else
+                for (int64_t j = 0; j < N; j++) c[j] += s * b[j * csb];
         }
     }
 }

@@ -179,7 +179,7 @@ static int fwd_merge(const tt_shape *s, int64_t batch, const REAL *x,
             gemm_pack_b(rm, out, U, s->out_pad, 1, Up);
         }
         int ymode = comera_gemm_store_mode(batch * out * (int64_t)sizeof(REAL));
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
             fwd_block(s, nr, x + r0 * in, Vp, dot, Up, bias != NULL, t + r0 * rm,
@@ -256,7 +256,7 @@ static int bwd_merge(const tt_shape *s, int64_t batch, const REAL *dy,
         const REAL *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         if (!dot) gemm_pack_b(out, rm, U, 1, s->out_pad, UTp);
         gemm_pack_b(rm, in, V, 1, rm, VTp);
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(nt) if (nt > 1)
         {
             int tid = omp_get_thread_num();
             bwd_ws w;
@@ -324,30 +324,35 @@ static int fwd_seq(const tt_shape *s, int64_t batch, const REAL *x,
                    const REAL *const *cores, const REAL *const *gates,
                    const REAL *bias, REAL *y, REAL *t, int nthreads) {
     int nt = comera_threads_for_items(nthreads, batch);
-    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[s->D]);
-    REAL *ws = malloc(sizeof(REAL) * (size_t)(s->seq_total * nt));
-    int rc = (eff && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
-    if (!rc) {
-        make_eff(s, cores, gates, eff);
-        int q = s->D - s->p;
-#pragma omp parallel num_threads(nt)
-        {
-            REAL *st = ws + s->seq_total * omp_get_thread_num();
+    /* eff, then one state block per thread: one reused workspace block (a
+     * few-row call is mostly overhead, and malloc/free was a third of it) */
+    int64_t n[2] = {s->core_off[s->D], s->seq_total * nt};
+    REAL *part[2];
+    int cached = 0;
+    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)carve(NULL, 2, n, part), &cached);
+    if (!block) return COMERA_ERR_NOMEM;
+    carve(block, 2, n, part);
+    REAL *eff = part[0], *ws = part[1];
+    int rc = COMERA_OK;
+    make_eff(s, cores, gates, eff);
+    int q = s->D - s->p;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        REAL *st = ws + s->seq_total * omp_get_thread_num();
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < batch; b++) {
-                if (seq_row_fwd(s, x + b * s->in, eff, st)) {
+        for (int64_t b = 0; b < batch; b++) {
+            if (seq_row_fwd(s, x + b * s->in, eff, st)) {
 #pragma omp atomic write
-                    rc = COMERA_ERR_NOMEM;
-                    continue;
-                }
-                memcpy(t + b * s->rmid, st + s->Z_off[s->p], sizeof(REAL) * (size_t)s->rmid);
-                const REAL *yq = st + s->Y_off[q];
-                REAL *yr = y + b * s->out;
-                for (int64_t j = 0; j < s->out; j++) yr[j] = yq[j] + (bias ? bias[j] : 0);
+                rc = COMERA_ERR_NOMEM;
+                continue;
             }
+            memcpy(t + b * s->rmid, st + s->Z_off[s->p], sizeof(REAL) * (size_t)s->rmid);
+            const REAL *yq = st + s->Y_off[q];
+            REAL *yr = y + b * s->out;
+            for (int64_t j = 0; j < s->out; j++) yr[j] = yq[j] + (bias ? bias[j] : 0);
         }
     }
-    free(eff); free(ws);
+    comera_ws_release(block, cached);
     return rc;
 }
 
@@ -357,66 +362,66 @@ static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
                    REAL *const *dgates, REAL *dbias, int nthreads) {
     int nt = comera_threads_for_items(nthreads, batch);
     int64_t nc = s->core_off[s->D];
-    /* per thread: states, two gradient scratch states, d(eff), dbias */
+    /* eff; per thread: states, two gradient scratch states, d(eff), dbias;
+     * the threads' sum of d(eff) and dbias: one reused workspace block */
     int64_t per = s->seq_total + 2 * s->seq_state_max + nc + s->out;
-    REAL *eff = malloc(sizeof(REAL) * (size_t)nc);
-    REAL *ws = calloc((size_t)(per * nt), sizeof(REAL));
-    int rc = (eff && ws) ? COMERA_OK : COMERA_ERR_NOMEM;
-    if (!rc) {
-        make_eff(s, cores, gates, eff);
-        int q = s->D - s->p;
-#pragma omp parallel num_threads(nt)
-        {
-            REAL *st = ws + per * omp_get_thread_num();
-            REAL *ga = st + s->seq_total, *gb = ga + s->seq_state_max;
-            REAL *de = gb + s->seq_state_max, *db = de + nc;
+    int64_t n[3] = {nc, per * nt, nc + s->out};
+    REAL *part[3];
+    int cached = 0;
+    REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)carve(NULL, 3, n, part), &cached);
+    if (!block) return COMERA_ERR_NOMEM;
+    carve(block, 3, n, part);
+    REAL *eff = part[0], *ws = part[1], *dsum = part[2];
+    memset(ws, 0, sizeof(REAL) * (size_t)(per * nt));
+    int rc = COMERA_OK;
+    make_eff(s, cores, gates, eff);
+    int q = s->D - s->p;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        REAL *st = ws + per * omp_get_thread_num();
+        REAL *ga = st + s->seq_total, *gb = ga + s->seq_state_max;
+        REAL *de = gb + s->seq_state_max, *db = de + nc;
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < batch; b++) {
-                int err = seq_row_fwd(s, x + b * s->in, eff, st);
-                const REAL *dyr = dy + b * s->out;
-                for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
-                for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
-                for (int l = q; l >= 1 && !err; l--) {
-                    int c = s->p + l - 1;
-                    int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
-                    err |= gemm(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
-                                ga, N, 1, de + s->core_off[c], N, 1);
-                    err |= gemm(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
-                                gb, s->r[c], 0);
-                    REAL *tmp = ga; ga = gb; gb = tmp;
-                }
-                for (int k = s->p - 1; k >= 0 && !err; k--) {
-                    int64_t Rn = s->R[k + 1], rows = s->r[k] * s->dims[k];
-                    err |= gemm(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
-                                ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
-                    err |= gemm(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
-                                ga, Rn, 1, gb, Rn, 0);
-                    REAL *tmp = ga; ga = gb; gb = tmp;
-                }
-                if (err) {
+        for (int64_t b = 0; b < batch; b++) {
+            int err = seq_row_fwd(s, x + b * s->in, eff, st);
+            const REAL *dyr = dy + b * s->out;
+            for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
+            for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
+            for (int l = q; l >= 1 && !err; l--) {
+                int c = s->p + l - 1;
+                int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
+                err |= gemm(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
+                            ga, N, 1, de + s->core_off[c], N, 1);
+                err |= gemm(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
+                            gb, s->r[c], 0);
+                REAL *tmp = ga; ga = gb; gb = tmp;
+            }
+            for (int k = s->p - 1; k >= 0 && !err; k--) {
+                int64_t Rn = s->R[k + 1], rows = s->r[k] * s->dims[k];
+                err |= gemm(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
+                            ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
+                err |= gemm(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
+                            ga, Rn, 1, gb, Rn, 0);
+                REAL *tmp = ga; ga = gb; gb = tmp;
+            }
+            if (err) {
 #pragma omp atomic write
-                    rc = COMERA_ERR_NOMEM;
-                    continue;
-                }
-                if (dx) memcpy(dx + b * s->in, ga, sizeof(REAL) * (size_t)s->in);
+                rc = COMERA_ERR_NOMEM;
+                continue;
             }
-        }
-        if (!rc) {
-            REAL *dsum = malloc(sizeof(REAL) * (size_t)(nc + s->out));
-            if (!dsum) rc = COMERA_ERR_NOMEM;
-            else {
-                memset(dsum, 0, sizeof(REAL) * (size_t)(nc + s->out));
-                for (int th = 0; th < nt; th++) {
-                    const REAL *de = ws + per * th + s->seq_total + 2 * s->seq_state_max;
-                    for (int64_t i = 0; i < nc + s->out; i++) dsum[i] += de[i];
-                }
-                if (dbias) memcpy(dbias, dsum + nc, sizeof(REAL) * (size_t)s->out);
-                eff_grads(s, cores, gates, dsum, dcores, dgates);
-                free(dsum);
-            }
+            if (dx) memcpy(dx + b * s->in, ga, sizeof(REAL) * (size_t)s->in);
         }
     }
-    free(eff); free(ws);
+    if (!rc) {
+        memset(dsum, 0, sizeof(REAL) * (size_t)(nc + s->out));
+        for (int th = 0; th < nt; th++) {
+            const REAL *de = ws + per * th + s->seq_total + 2 * s->seq_state_max;
+            for (int64_t i = 0; i < nc + s->out; i++) dsum[i] += de[i];
+        }
+        if (dbias) memcpy(dbias, dsum + nc, sizeof(REAL) * (size_t)s->out);
+        eff_grads(s, cores, gates, dsum, dcores, dgates);
+    }
+    comera_ws_release(block, cached);
     return rc;
 }
 

@@ -1,24 +1,31 @@
 """Routing of TT linear calls to torch's BLAS (comera.ops.route): the torch
 way matches the C kernels, the choice is measured once per key and cached,
 visible in plan(), and never made where it must not be."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import comera
-from comera.ops import route
+from comera.ops import linear as linear_op, route
 
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
-    """Routing on (it is opt-in) and nothing cached."""
-    monkeypatch.setenv(route.ENV, "auto")
+    """Routing on (it is opt-in), nothing cached, and no call served by a
+    layer's merged V and U (those small calls never reach the routing)."""
+    monkeypatch.setattr(linear_op, "CACHED_MACS", -1)
+    previous = route.set_mode("auto")
     route.clear()
     yield
+    route.set_mode(previous)
     route.clear()
 
 
 def test_off_by_default(monkeypatch):
-    monkeypatch.delenv(route.ENV)
+    route.set_mode("comera")
     monkeypatch.setattr(route, "MIN_FLOPS", 0.0)
     layer = comera.TTLinear(64, 96, rank=6)
     y = layer(torch.randn(40, 64, requires_grad=True))
@@ -57,9 +64,9 @@ def test_torch_way_matches_the_c_kernels(monkeypatch, shape, bias, lead):
     in_f, out_f, rank = shape
     layer = comera.TTLinear(in_f, out_f, bias=bias, rank=rank)
     x = torch.randn(*lead, in_f)
-    monkeypatch.setenv(route.ENV, "comera")
+    route.set_mode("comera")
     y_c, gx_c, g_c = _run(layer, x)
-    monkeypatch.setenv(route.ENV, "torch")
+    route.set_mode("torch")
     y_t, gx_t, g_t = _run(layer, x)
     assert y_t.shape == y_c.shape == (*lead, out_f)
     torch.testing.assert_close(y_t, y_c, rtol=1e-5, atol=1e-5)
@@ -71,9 +78,9 @@ def test_torch_way_matches_the_c_kernels(monkeypatch, shape, bias, lead):
 def test_forced_torch_way_runs_torch_ops(monkeypatch):
     layer = comera.TTLinear(32, 16, rank=4)
     x = torch.randn(5, 32)
-    monkeypatch.setenv(route.ENV, "torch")
+    route.set_mode("torch")
     assert _uses_torch(layer(x))
-    monkeypatch.setenv(route.ENV, "comera")
+    route.set_mode("comera")
     assert not _uses_torch(layer(x))
 
 
@@ -104,7 +111,7 @@ def test_large_call_is_timed_once_and_cached(monkeypatch, grad):
     r = layer.plan(40)["route"]
     assert r["choice"] == hit["choice"]
     assert r["training" if grad else "inference"]["comera_s"] == hit["comera_s"]
-    monkeypatch.setenv(route.ENV, "comera")
+    route.set_mode("comera")
     torch.testing.assert_close(y1, layer(x), rtol=1e-5, atol=1e-5)
     assert y2.shape == (33, 96)
 
@@ -135,16 +142,31 @@ def test_never_routed_where_it_must_not_be(monkeypatch):
 @pytest.mark.parametrize("mode", ["auto", "torch"])
 def test_compiled_calls_keep_the_c_kernel(monkeypatch, mode):
     monkeypatch.setattr(route, "MIN_FLOPS", 0.0)
-    monkeypatch.setenv(route.ENV, mode)
+    route.set_mode(mode)
     layer = comera.TTLinear(64, 96, rank=6)
     x = torch.randn(40, 64)
     y = torch.compile(layer, backend="eager", fullgraph=True)(x)
     assert route.choices() == {}
-    monkeypatch.setenv(route.ENV, "comera")
+    route.set_mode("comera")
     torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-5)
 
 
-def test_bad_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv(route.ENV, "fast")
-    with pytest.raises(ValueError, match="COMERA_ROUTE must be one of auto, comera, torch"):
-        comera.TTLinear(16, 8, rank=2)(torch.randn(3, 16))
+def test_bad_mode_names_the_argument():
+    with pytest.raises(ValueError, match="mode must be one of auto, comera, torch, got 'fast'"):
+        route.set_mode("fast")
+    assert route.mode() == "auto"
+
+
+def test_bad_environment_value_names_the_variable():
+    env = dict(os.environ, COMERA_ROUTE="fast")
+    run = subprocess.run([sys.executable, "-c", "import comera"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "COMERA_ROUTE must be one of auto, comera, torch, got 'fast'" in run.stderr
+
+
+def test_mode_is_read_once_not_per_call(monkeypatch):
+    route.set_mode("comera")
+    monkeypatch.setenv(route.ENV, "torch")  # after import: no effect
+    layer = comera.TTLinear(32, 16, rank=4)
+    assert not _uses_torch(layer(torch.randn(5, 32)))
