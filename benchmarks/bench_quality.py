@@ -629,7 +629,7 @@ def _complete(entry, key, n):
 
 
 def targets(res, args):
-    """The issue's targets, each {name, want, got, met} (met None: not run yet)."""
+    """The quality targets, each {name, want, got, met} (met None: not run yet)."""
     n = len(args.seeds)
     W, S = res["budgets"].get("wall", {}), res["budgets"].get("steps", {})
     out = []

@@ -119,31 +119,48 @@ def test_make_readme_claims_table_reads_the_results():
         assert claim in table
     assert "met" in table  # every row is judged, never left blank
     rows = [r for r in table.splitlines()[2:] if r.startswith("|")]
-    assert len(rows) == 3
+    assert len(rows) == 4  # the CodeBERT speed claim has a CPU and a GPU row
     for row in rows:
         assert row.rstrip().endswith(("| met |", "| not met |", "| not measured |"))
 
 
+def _quality_result(loss_c, params_c, step_c, seeds=3):
+    def entry(loss, params):
+        st = lambda v: {"mean": v, "std": 0.0, "n": seeds, "values": [v] * seeds}  # noqa: E731
+        return {"seeds": list(range(seeds)), "steps": [100] * seeds, "test_loss": st(loss),
+                "total_params": st(params)}
+    return {"budgets": {"steps": {"dense": entry(6.0, 1000.0), "comera": entry(loss_c, params_c)}},
+            "calibration": {"step_s_used": {"dense": 0.2, "comera": step_c}},
+            "preset": {"layers": 2, "hidden": 128}, "args": {"preset": "mini"},
+            "command": "python benchmarks/bench_quality.py"}
+
+
 def test_claims_codebert_verdict_follows_the_measured_entry(tmp_path, monkeypatch):
-    """The CodeBERT row reads the paper-preset entry: met only when the
-    compression, the speed-up and the loss all hold."""
-    import bench_pretrain
+    """The CodeBERT CPU row reads the quality protocol (the result with the
+    most finished seeds): met only when the compression, the speed-up and
+    the test loss all hold; the GPU row reads every GPU pre-training result."""
     import claims
     monkeypatch.setattr(claims, "RESULTS", str(tmp_path))
 
-    def write(loss_c, tok_c, last):
-        recs = [bench_pretrain.seed_record(_seed_metrics(6.0, loss_c, 100.0, tok_c, 3.0, last, s))
-                for s in range(3)]
-        with open(tmp_path / "pretrain_cpu.json", "w") as f:
-            json.dump({"paper-10-seeds3": bench_pretrain.entry("paper", [0, 1, 2], recs, {})}, f)
+    def write(loss_c, params_c, step_c, name="quality_cpu", seeds=3):
+        with open(tmp_path / f"{name}.json", "w") as f:
+            json.dump(_quality_result(loss_c, params_c, step_c, seeds), f)
         return claims.codebert_row()
 
-    assert write(6.1, 200.0, 5.0)[-1] == "met"
-    assert write(6.1, 200.0, 4.0)[-1] == "not met"      # compression short of 4.23x
-    assert write(6.1, 150.0, 5.0)[-1] == "not met"      # 1.5x is not about 2x
-    row = write(6.9, 200.0, 5.0)                        # loss 15% worse than dense
-    assert row[-1] == "not met" and "+15.0%" in row[1] and "3.0x at the first step" in row[1]
-    assert claims.dlrm_row()[-1] == "not measured"      # no result file: never "met"
+    assert claims.codebert_row()[-1] == "not measured"   # no result file: never "met"
+    assert write(6.1, 200.0, 0.1)[-1] == "met"
+    assert write(6.1, 250.0, 0.1)[-1] == "not met"      # compression 4x, short of 4.23x
+    assert write(6.1, 200.0, 0.13)[-1] == "not met"     # 1.5x is not about 2x
+    row = write(6.9, 200.0, 0.1)                        # loss 15% worse than dense
+    assert row[-1] == "not met" and "+15.0%" in row[1] and "5.0x" in row[1]
+    row = write(6.0, 200.0, 0.1, name="quality_cpu_1500steps", seeds=2)
+    assert "quality_cpu.md" in row[1]                   # 3 seeds beat 2
+    assert claims.codebert_gpu_row()[-1] == "not measured"
+    with open(tmp_path / "gpu_pretrain_x.json", "w") as f:
+        json.dump({"methods": {"dense": {"tokens_per_s": 100.0}, "comera": {"tokens_per_s": 30.0}}}, f)
+    row = claims.codebert_gpu_row()
+    assert row[-1] == "not met" and "0.30x" in row[1]
+    assert claims.dlrm_row()[-1] == "not measured"
 
 
 def test_make_readme_flags_results_measured_before_the_protocol(tmp_path, monkeypatch):
