@@ -13,27 +13,21 @@ import comera
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+from hf_tiny import quiet, tiny_config  # noqa: E402
 
 V = 90
 
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
+    with quiet(transformers):
+        yield
 
 
 def _model(kind):
     torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=48, max_position_embeddings=40, is_decoder=True,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if kind == "bert":
-        model = transformers.BertLMHeadModel(transformers.BertConfig(**common))
-    else:
-        model = transformers.RobertaForCausalLM(transformers.RobertaConfig(pad_token_id=1, **common))
+    cfg = tiny_config(transformers, kind, vocab_size=V, is_decoder=True)
+    model = (transformers.BertLMHeadModel if kind == "bert" else transformers.RobertaForCausalLM)(cfg)
     return comera.convert(model, rank=6).eval()
 
 

@@ -14,6 +14,7 @@ from comera.integrations.hf import guard
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+from hf_tiny import quiet  # noqa: E402
 
 V = 80
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,10 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
+    with quiet(transformers):
+        yield
 
 
 def _config():

@@ -13,26 +13,19 @@ from comera.layers.tied import TiedTTLinear
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+from hf_tiny import quiet, tiny_config  # noqa: E402
 
 V, H = 99, 32
 
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
+    with quiet(transformers):
+        yield
 
 
 def _config(kind="bert", **kw):
-    common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=1, num_attention_heads=4,
-                  intermediate_size=48, max_position_embeddings=40, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0)
-    common.update(kw)
-    if kind == "bert":
-        return transformers.BertConfig(**common)
-    return transformers.RobertaConfig(pad_token_id=1, **common)
+    return tiny_config(transformers, kind, **dict(dict(vocab_size=V, hidden_size=H, num_hidden_layers=1), **kw))
 
 
 HEADS = [("bert", "BertForMaskedLM", {}), ("bert", "BertLMHeadModel", {"is_decoder": True}),

@@ -19,16 +19,15 @@ from comera.layers.tied import TiedTTLinear
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+from hf_tiny import quiet  # noqa: E402
 
 V = 300
 
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()     # load reports of the plain loads below
-    yield
-    transformers.logging.set_verbosity(verbosity)
+    with quiet(transformers):
+        yield
 
 
 def _model(kind="bert"):

@@ -14,6 +14,7 @@ from comera.layers.base import tt_layers
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 hf = pytest.importorskip("comera.integrations.hf")
+from hf_tiny import quiet  # noqa: E402
 
 V, STEPS = 120, 8
 RA_KWARGS = dict(gamma=2.0, threshold=2e-2, stage1_steps=2, stage2_steps=5, prune_every=2,
@@ -22,10 +23,8 @@ RA_KWARGS = dict(gamma=2.0, threshold=2e-2, stage1_steps=2, stage2_steps=5, prun
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(verbosity)
+    with quiet(transformers):
+        yield
 
 
 def _model(seed):
