@@ -52,7 +52,7 @@ FFN = ["*.intermediate.dense", "*.output.dense"]
 # name -> recipe (see the module doc); every unset key takes the default
 CONFIGS = {
     "dense": {"method": "dense"},
-    "tt-comera": {"method": "tt", "adapt": True},
+    "tt-comera": {"method": "tt", "adapt": True, "gamma": 0.5},
     "tt-fixed0": {"method": "tt", "adapt": False},
     "tt-fixed0-emb-dense": {"method": "tt", "adapt": False, "keep_dense": [EMB]},
     "tt-fixed0-vocab-dense": {"method": "tt", "adapt": False, "keep_dense": [EMB, DEC]},
@@ -62,12 +62,12 @@ CONFIGS = {
     "tt-fixed0-balanced": {"method": "tt", "adapt": False, "balance": True},
     "tt-fixed0-corelr3": {"method": "tt", "adapt": False, "core_lr": 3.0},
     "tt-fixed0-corelr10": {"method": "tt", "adapt": False, "core_lr": 10.0},
-    "tt-comera-corelr3": {"method": "tt", "adapt": True, "core_lr": 3.0},
+    "tt-comera-corelr3": {"method": "tt", "adapt": True, "gamma": 0.5, "core_lr": 3.0},
     "tt-comera-gamma0.1": {"method": "tt", "adapt": True, "gamma": 0.1},
     "tt-comera-gamma0": {"method": "tt", "adapt": True, "gamma": 0.0},
-    "tt-comera-corelr10": {"method": "tt", "adapt": True, "core_lr": 10.0},
+    "tt-comera-corelr10": {"method": "tt", "adapt": True, "gamma": 0.5, "core_lr": 10.0},
     "tt-comera-gamma0.1-corelr3": {"method": "tt", "adapt": True, "gamma": 0.1, "core_lr": 3.0},
-    "tt-comera-nobalance": {"method": "tt", "adapt": True, "balance": False},
+    "tt-comera-nobalance": {"method": "tt", "adapt": True, "gamma": 0.5, "balance": False},
 }
 DEFAULTS = {"adapt": False, "keep_dense": [], "core_lr": 1.0, "gamma": None, "stage1": None,
             "stage2": None, "target": "preset", "balance": None, "rank": None, "vocab_rank": None,
@@ -193,6 +193,7 @@ def run(name, cfg, p, data, lr, seed, evals, log=print):
             "history": hist, "train_s": train_s, "wall_s": time.perf_counter() - t_wall,
             "sizes_start": start, "sizes": sizes(model), "init_weight_std": stds,
             "final_ranks": storage.tt_live_ranks(model) if cfg["method"] == "tt" else None,
+            "gamma_used": (p.gamma if cfg["gamma"] is None else cfg["gamma"]) if cfg["adapt"] else None,
             "load_end": list(os.getloadavg())}
 
 
@@ -230,11 +231,15 @@ def report(args, data_desc, machine):
         lines += [f"Unigram cross-entropy of the validation labels: {data_desc['unigram_ce_valid']:.4f}.", ""]
     if machine:
         lines += [machine_line(machine), ""]
-    lines += ["| configuration | steps | lr | valid loss (end) | valid curve | TT params start -> end | "
-              "total params end | train s |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["`gamma`: the stage-1 L1 strength of the rank-adaptive runs (runs recorded before "
+              "the mini preset's default became 0.1 took the preset's 0.5).", "",
+              "| configuration | gamma | steps | lr | valid loss (end) | valid curve | TT params start -> end | "
+              "total params end | train s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         curve = " ".join(f"{v:.2f}" for v in r["history"]["valid"])
-        lines.append(f"| {r['name']} | {r['steps']} | {r['lr']:g} | {r['valid_loss']:.4f} | {curve} | "
+        cg = r["config"]["gamma"]
+        gamma = r.get("gamma_used", 0.5 if cg is None else cg) if r["config"].get("adapt") else None
+        lines.append(f"| {r['name']} | {'-' if gamma is None else f'{gamma:g}'} | {r['steps']} | {r['lr']:g} | {r['valid_loss']:.4f} | {curve} | "
                      f"{r['sizes_start']['converted_tt']:,} -> {r['sizes']['converted_tt']:,} | "
                      f"{r['sizes']['total']:,} | {r['train_s']:.0f} |")
     with open(os.path.join(RESULTS, "tt_recipe_cpu.md"), "w") as fh:
