@@ -23,6 +23,7 @@ rerun skips runs whose file exists with the same settings; the summary goes
 to ``benchmarks/results/tt_recipe_cpu.{json,md}``.
 
     python benchmarks/bench_tt_recipe.py --steps 1500 --lr 3e-3 --only dense tt-comera tt-fixed0
+    python benchmarks/bench_tt_recipe.py --steps 1500 --update-probe
     python benchmarks/bench_tt_recipe.py --report-only
 """
 import argparse
@@ -59,6 +60,7 @@ CONFIGS = {
     "tt-fixed0-dec-dense": {"method": "tt", "adapt": False, "keep_dense": [DEC]},
     "tt-fixed0-qk-dense": {"method": "tt", "adapt": False, "keep_dense": QK},
     "tt-fixed0-ffn-dense": {"method": "tt", "adapt": False, "keep_dense": FFN},
+    "tt-fixed-r32": {"method": "tt", "adapt": False, "rank": 32, "vocab_rank": 64},
     "tt-fixed0-balanced": {"method": "tt", "adapt": False, "balance": True},
     "tt-fixed0-corelr3": {"method": "tt", "adapt": False, "core_lr": 3.0},
     "tt-fixed0-corelr10": {"method": "tt", "adapt": False, "core_lr": 10.0},
@@ -197,29 +199,65 @@ def run(name, cfg, p, data, lr, seed, evals, log=print):
             "load_end": list(os.getloadavg())}
 
 
+PROBE_LAYERS = [EMB, "roberta.encoder.layer.0.attention.self.query",
+                "roberta.encoder.layer.0.intermediate.dense", DEC]
+
+
+def update_probe(p, data, lr, steps=20, seed=0, names=("dense", "tt-fixed0", "tt-fixed0-balanced")):
+    """How far ``steps`` AdamW steps at a constant ``lr`` (no warm-up, no
+    clipping) move each probed layer's (reconstructed) weight: ``||W_t -
+    W_0|| / ||W_0||`` per recipe, the same batches for each."""
+    from comera.adapt.balance import balance_
+    from comera.layers.base import tt_layers
+    from comera.pretrain.data import MLMData
+    from comera.pretrain.step import Stepper
+    mlm = MLMData(data["train_ids"], data["train_ids"][: p.seq_len * 2], seq_len=p.seq_len,
+                  batch_size=p.batch_size, vocab_size=data["vocab"], valid_blocks=1, seed=seed)
+    out = {}
+    for name in names:
+        cfg = recipe(name)
+        model = build(cfg, p, data["vocab"], seed).train()
+        if cfg["balance"]:
+            for _, layer in tt_layers(model):
+                balance_(layer)
+        mods = dict(model.named_modules())
+        w0 = {n: mods[n].weight.detach().clone() for n in PROBE_LAYERS}
+        stepper = Stepper(model, optimizer(model, p, lr, cfg), device=torch.device("cpu"), clip=None)
+        for s in range(steps):
+            stepper.step(*mlm.batch(s))
+        stepper.close()
+        out[name] = {n: float((mods[n].weight.detach() - w0[n]).norm() / w0[n].norm()) for n in PROBE_LAYERS}
+    return {"steps": steps, "lr": lr, "seed": seed, "relative_change": out}
+
+
 def key_of(name, cfg, p, lr, seed, evals):
     from dataclasses import asdict
     s = {"cfg": cfg, "preset": asdict(p), "lr": lr, "seed": seed, "evals": evals}
     return hashlib.sha1(json.dumps(s, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def run_file(name, steps, lr):
-    return os.path.join(RUNS, f"{name}-{steps}steps-lr{lr:g}.json")
+def run_file(name, steps, lr, seed):
+    """The run's JSON; the tuning seed (100) is left out of the name."""
+    return os.path.join(RUNS, f"{name}-{steps}steps-lr{lr:g}" + ("" if seed == 100 else f"-seed{seed}") + ".json")
 
 
 def report(args, data_desc, machine):
     from timing import machine_line
     rows = []
     for f in sorted(os.listdir(RUNS)) if os.path.isdir(RUNS) else []:
-        if f.endswith(".json"):
+        if f.endswith(".json") and not f.startswith("_"):
             with open(os.path.join(RUNS, f)) as fh:
                 rows.append(json.load(fh))
-    rows.sort(key=lambda r: (r["steps"], r["lr"], r["valid_loss"]))
+    rows.sort(key=lambda r: (r["seed"], r["steps"], r["lr"], r["valid_loss"]))
     out = {"command": "python benchmarks/bench_tt_recipe.py " + " ".join(sys.argv[1:]),
            "machine": machine, "data": data_desc, "configs": CONFIGS, "defaults": DEFAULTS,
            "runs": [{k: r[k] for k in ("name", "steps", "lr", "seed", "valid_loss", "best_valid",
                                        "train_s", "sizes_start", "sizes", "final_ranks", "history",
                                        "config")} for r in rows]}
+    probe_path = os.path.join(RUNS, "_update_probe.json")
+    if os.path.isfile(probe_path):
+        with open(probe_path) as fh:
+            out["update_probe"] = json.load(fh)
     with open(os.path.join(RESULTS, "tt_recipe_cpu.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     lines = ["# What makes TT training learn: dense against TT recipe variants (CPU)", "",
@@ -233,15 +271,24 @@ def report(args, data_desc, machine):
         lines += [machine_line(machine), ""]
     lines += ["`gamma`: the stage-1 L1 strength of the rank-adaptive runs (runs recorded before "
               "the mini preset's default became 0.1 took the preset's 0.5).", "",
-              "| configuration | gamma | steps | lr | valid loss (end) | valid curve | TT params start -> end | "
-              "total params end | train s |", "|---|---|---|---|---|---|---|---|---|"]
+              "| configuration | gamma | seed | steps | lr | valid loss (end) | valid curve | TT params start -> end | "
+              "total params end | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         curve = " ".join(f"{v:.2f}" for v in r["history"]["valid"])
         cg = r["config"]["gamma"]
         gamma = r.get("gamma_used", 0.5 if cg is None else cg) if r["config"].get("adapt") else None
-        lines.append(f"| {r['name']} | {'-' if gamma is None else f'{gamma:g}'} | {r['steps']} | {r['lr']:g} | {r['valid_loss']:.4f} | {curve} | "
+        lines.append(f"| {r['name']} | {'-' if gamma is None else f'{gamma:g}'} | {r['seed']} | {r['steps']} | {r['lr']:g} | {r['valid_loss']:.4f} | {curve} | "
                      f"{r['sizes_start']['converted_tt']:,} -> {r['sizes']['converted_tt']:,} | "
                      f"{r['sizes']['total']:,} | {r['train_s']:.0f} |")
+    if "update_probe" in out:
+        pr = out["update_probe"]
+        lines += ["", f"Update probe: relative change of each layer's (reconstructed) weight after "
+                  f"{pr['steps']} AdamW steps at a constant lr {pr['lr']:g} (no warm-up, no clipping):", "",
+                  "| recipe | " + " | ".join(n.split(".")[-1] if "layer" not in n else ".".join(n.split(".")[-2:])
+                                            for n in PROBE_LAYERS) + " |",
+                  "|---|" + "---|" * len(PROBE_LAYERS)]
+        for name, row in pr["relative_change"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{row[n]:.3f}" for n in PROBE_LAYERS) + " |")
     with open(os.path.join(RESULTS, "tt_recipe_cpu.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
@@ -257,6 +304,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", default=os.path.join(REPO, "runs", "bench-quality-cache"))
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--update-probe", action="store_true",
+                    help="measure how far 20 AdamW steps move dense and TT weights, then report")
     args = ap.parse_args(argv)
     from comera.pretrain.model import preset
     from timing import assert_threads, finish_record, machine_record
@@ -270,11 +319,17 @@ def main(argv=None):
                             ft_max_train=20000, doc_len=32, code_len=64)
     data = bq.prepare_data(p, ns, log)
     os.makedirs(RUNS, exist_ok=True)
-    if not args.report_only:
+    if args.update_probe:
+        log("update probe")
+        probe = update_probe(p, data, args.lr)
+        with open(os.path.join(RUNS, "_update_probe.json"), "w") as fh:
+            json.dump(probe, fh, indent=1)
+        log(json.dumps(probe["relative_change"]))
+    elif not args.report_only:
         for name in args.only or list(CONFIGS):
             cfg = recipe(name)
             key = key_of(name, cfg, p, args.lr, args.seed, args.evals)
-            path = run_file(name, p.steps, args.lr)
+            path = run_file(name, p.steps, args.lr, args.seed)
             if os.path.isfile(path):
                 with open(path) as fh:
                     if json.load(fh).get("settings_key") == key:
