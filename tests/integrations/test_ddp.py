@@ -5,27 +5,19 @@ checks in turn; each worker asserts, records which checks passed, and a
 failure stops both workers (torch.multiprocessing.spawn), so the checks
 after it report that they did not run."""
 import copy
-import datetime
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comera
 import comera.integrations.ddp  # noqa: F401
 
-WORLD = 2
+import gloo_phases
 
-
-def _init(rank, init_file):
-    torch.set_num_threads(1)
-    # a timeout, so a worker left alone in a collective fails instead of hanging
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+WORLD = gloo_phases.WORLD
 
 
 def _model():
@@ -139,43 +131,18 @@ def _hook_phase(rank):
 PHASES = [_grad_phase, _rank_adaptive_phase, _hook_phase]
 
 
-def _worker(rank, init_file, out_dir):
-    _init(rank, init_file)
-    try:
-        for phase in PHASES:
-            phase(rank)
-            dist.barrier()
-            open(os.path.join(out_dir, f"{phase.__name__}.{rank}.ok"), "w").close()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    """Runs every phase in 2 gloo processes once; returns (out_dir, error text or None)."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    out = tmp_path_factory.mktemp("ddp")
-    try:
-        mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
-        return out, None
-    except Exception as err:                  # a worker failed: the phases after it did not run
-        return out, f"{type(err).__name__}: {err}"
-
-
-def _check(ddp_run, phase):
-    out, error = ddp_run
-    done = all(os.path.exists(out / f"{phase.__name__}.{r}.ok") for r in range(WORLD))
-    assert done, f"{phase.__name__} failed or did not run:\n{error}"
+    return gloo_phases.spawn(tmp_path_factory, "ddp", PHASES)
 
 
 def test_ddp_gradients_equal_single_process_on_concatenated_batch(ddp_run):
-    _check(ddp_run, _grad_phase)
+    gloo_phases.check(ddp_run, _grad_phase)
 
 
 def test_ddp_rank_adaptive_and_prune_keep_ranks_identical(ddp_run):
-    _check(ddp_run, _rank_adaptive_phase)
+    gloo_phases.check(ddp_run, _rank_adaptive_phase)
 
 
 def test_ddp_attached_rank_adaptive_is_identical_in_every_process(ddp_run):
-    _check(ddp_run, _hook_phase)
+    gloo_phases.check(ddp_run, _hook_phase)

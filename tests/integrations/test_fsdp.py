@@ -9,29 +9,21 @@ after it report that they did not run.  A model of two TTLinear layers:
 ``fully_shard`` on each TT layer, then on the model; AdamW;
 ``RankAdaptive`` built before or after sharding, pruning every few steps
 through ``comera.integrations.fsdp.prune``."""
-import datetime
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import comera
 from comera.integrations import fsdp as cfsdp
 
-WORLD = 2
+import gloo_phases
+
+WORLD = gloo_phases.WORLD
 STEPS = 12
 SETTINGS = dict(gamma=0.5, threshold=1e-2, stage1_steps=4, stage2_steps=6, prune_every=3)
-
-
-def _init(rank, init_file):
-    torch.set_num_threads(1)
-    # a timeout, so a worker left alone in a collective fails instead of hanging
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
 
 
 def _model():
@@ -180,47 +172,22 @@ def _errors_phase(rank):
 PHASES = [_before_phase, _after_phase, _resume_phase, _errors_phase]
 
 
-def _worker(rank, init_file, out_dir):
-    _init(rank, init_file)
-    try:
-        for phase in PHASES:
-            phase(rank)
-            dist.barrier()
-            open(os.path.join(out_dir, f"{phase.__name__}.{rank}.ok"), "w").close()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """Runs every phase in 2 gloo processes once; returns (out_dir, error text or None)."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    out = tmp_path_factory.mktemp("fsdp")
-    try:
-        mp.spawn(_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
-        return out, None
-    except Exception as err:                  # a worker failed: the phases after it did not run
-        return out, f"{type(err).__name__}: {err}"
-
-
-def _check(fsdp_run, phase):
-    out, error = fsdp_run
-    done = all(os.path.exists(out / f"{phase.__name__}.{r}.ok") for r in range(WORLD))
-    assert done, f"{phase.__name__} failed or did not run:\n{error}"
+    return gloo_phases.spawn(tmp_path_factory, "fsdp", PHASES)
 
 
 def test_fsdp_rank_adaptive_built_before_sharding_matches_one_process(fsdp_run):
-    _check(fsdp_run, _before_phase)
+    gloo_phases.check(fsdp_run, _before_phase)
 
 
 def test_fsdp_rank_adaptive_built_after_sharding_matches_one_process(fsdp_run):
-    _check(fsdp_run, _after_phase)
+    gloo_phases.check(fsdp_run, _after_phase)
 
 
 def test_fsdp_pruned_run_saved_and_resumed_matches_one_process(fsdp_run):
-    _check(fsdp_run, _resume_phase)
+    gloo_phases.check(fsdp_run, _resume_phase)
 
 
 def test_fsdp_refuses_the_unsharded_pruner(fsdp_run):
-    _check(fsdp_run, _errors_phase)
+    gloo_phases.check(fsdp_run, _errors_phase)
