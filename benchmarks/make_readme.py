@@ -85,6 +85,7 @@ SECTIONS = [
     ("quality_cpu", "Quality: dense, CoMERA and fixed TT ranks at equal steps and equal wall-clock "
      "(mini preset)"),
     ("quality_cpu_1500steps", "Quality: the same protocol cut to 1,500 steps"),
+    ("tt_recipe_cpu", "What makes TT training learn (validation only, one seed per recipe)"),
     ("demo_cpu", "`make demo`: wall time and learning"),
     ("host_cost_cpu", "Host cost of small calls"),
     ("adaptive_cpu", "Adaptive against fixed ranks"),
