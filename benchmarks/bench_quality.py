@@ -454,6 +454,7 @@ class Store:
 
     def put(self, name, rec):
         rec = dict(rec, name=name, settings_key=self.key, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+        self._keep_other_settings(name)
         tmp = self.path(name) + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(rec, fh, indent=1)
@@ -463,6 +464,17 @@ class Store:
         return rec
 
     on_write = None
+
+    def _keep_other_settings(self, name):
+        """A finished run of other settings under this name is renamed
+        ``<name>.settings-<its key>.json``, never overwritten."""
+        path = self.path(name)
+        if not os.path.isfile(path):
+            return
+        with open(path) as fh:
+            old = json.load(fh).get("settings_key")
+        if old != self.key:
+            os.replace(path, os.path.join(self.root, f"{name}.settings-{str(old)[:12]}.json"))
 
 
 def run_name(budget, method, seed, lr=None):

@@ -2,6 +2,7 @@
 baseline, MRR over every test pair, fixed ranks within 2% of a size, the
 targets and the resumable run store.  Fast: no training run here."""
 import argparse
+import json
 import math
 import os
 import sys
@@ -103,6 +104,10 @@ def test_targets_read_the_finished_runs_and_report_missing_ones(tmp_path):
     assert res["targets"][0]["met"] is False
     other = bq.Store(str(tmp_path), "another-setting")  # other settings: nothing is reused
     assert other.get("wall-comera-seed1") is None
+    other.put("wall-comera-seed1", _rec("comera", 1, 4.0, 0.2, 80))  # ... and nothing is lost
+    assert other.get("wall-comera-seed1")["test_loss"] == 4.0
+    with open(tmp_path / "wall-comera-seed1.settings-k.json") as fh:
+        assert json.load(fh)["test_loss"] == 4.5
 
 
 def test_seed_order_rotates_and_comera_precedes_fixed():
