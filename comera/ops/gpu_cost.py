@@ -189,7 +189,10 @@ def tt_linear_gpu_cost(in_modes: Sequence[int], out_modes: Sequence[int], ranks:
             rows[k] = m
             P += m * r[k + 1]
     steps = max(p, D - p) - 1
-    te_ld = rm + hb
+    # the rank the large products share, padded to 32 bytes (csrc/tt_linear/cuda.cu):
+    # rp pads the rank (V, S), rk the rank and the bias ([T 1], [U; b])
+    step = 32 // e
+    rp, rk = (-(-n // step) * step for n in (rm, rm + hb))
     L = _Launches(g, dtype, tf32)
 
     def merges(phase):
@@ -208,29 +211,31 @@ def tt_linear_gpu_cost(in_modes: Sequence[int], out_modes: Sequence[int], ranks:
         L.add("forward", "kernel", "gated cores", ncore, e * (ncore + ngates) + a * ncore)
         merges("forward")
         L.add("forward", "kernel", "pack V, [U; b]", 0,
-              (a + e) * (n_in * rm + rm * n_out) + hb * (2 * e * n_out + e * B))
-        L.add("forward", "blas", "T = x V", 2 * B * n_in * rm,
-              e * (B * n_in + n_in * rm + B * te_ld), (B, rm, n_in, n_in, rm, te_ld))
-        L.add("forward", "blas", "y = [T 1] [U; b]", 2 * B * te_ld * n_out,
-              e * (B * te_ld + te_ld * n_out + B * n_out), (B, n_out, te_ld, te_ld, n_out, n_out))
-        if hb:
-            L.add("forward", "copy", "t from [T 1]", 0, 2 * e * B * rm)
+              a * (n_in * rm + rm * n_out) + e * (n_in * rp + rk * n_out) + hb * e * (n_out + B * rk))
+        L.add("forward", "blas", "T = x V", 2 * B * n_in * rp,
+              e * (B * n_in + n_in * rp + (1 + hb) * B * rp), (B, rp, n_in, n_in, rp, rk))
+        L.add("forward", "blas", "y = [T 1] [U; b]", 2 * B * rk * n_out,
+              e * (B * rk + rk * n_out + B * n_out), (B, n_out, rk, rk, n_out, n_out))
+        if rk != rm:
+            L.add("forward", "copy", "t from the padded T", 0, 2 * e * B * rm)
     # ---- backward
     L.add("backward", "kernel", "gated cores, transposed, dP zeroed", ncore,
-          e * (ncore + ngates) + a * (2 * ncore + P + out_pad))
+          e * (ncore + ngates) + a * (2 * ncore + P + (rk - rm) * out_pad))
     merges("backward")
     L.add("backward", "kernel", "pack V, U, [t 1]", 0,
-          (a + e) * (n_in * rm + rm * n_out) + hb * e * (B * rm + B * te_ld))
+          a * (n_in * rm + rm * n_out) + e * (n_in * rp + rp * n_out) + (rk != rm) * e * (B * rm + B * rk))
     if B > 0:
-        L.add("backward", "blas", "S = dy U^T", 2 * B * n_out * rm,
-              e * (B * n_out + rm * n_out + B * rm), (B, rm, n_out, n_out, n_out, rm))
-        L.add("backward", "blas", "[dU; db] = [t 1]^T dy", 2 * te_ld * n_out * B,
-              e * (B * te_ld + B * n_out) + a * te_ld * n_out, (te_ld, n_out, B, te_ld, n_out, out_pad))
+        L.add("backward", "blas", "S = dy U^T", 2 * B * n_out * rp,
+              e * (B * n_out + rp * n_out + B * rp), (B, rp, n_out, n_out, n_out, rp))
+        L.add("backward", "blas", "[dU; db] = [t 1]^T dy", 2 * rk * n_out * B,
+              e * (B * rk + B * n_out) + a * rk * n_out, (rk, n_out, B, rk, n_out, out_pad))
         if input_grad:
-            L.add("backward", "blas", "dx = S V^T", 2 * B * rm * n_in,
-                  e * (B * rm + n_in * rm + B * n_in), (B, n_in, rm, rm, rm, n_in))
-        L.add("backward", "blas", "dV = x^T S", 2 * n_in * rm * B,
-              e * (B * n_in + B * rm) + a * n_in * rm, (n_in, rm, B, n_in, rm, rm))
+            L.add("backward", "blas", "dx = S V^T", 2 * B * rp * n_in,
+                  e * (B * rp + n_in * rp + B * n_in), (B, n_in, rp, rp, rp, n_in))
+        L.add("backward", "blas", "dV = x^T S", 2 * n_in * rp * B,
+              e * (B * n_in + B * rp) + a * n_in * rp, (n_in, rp, B, n_in, rp, rp))
+        if rp != rm:
+            L.add("backward", "copy", "dV from the padded product", 0, 2 * a * n_in * rm)
     nsplit = [1] * D  # split sums of d(eff_k) over the rows of P_{k-1}
     for step in range(steps):
         fl = nb = sum_bytes = 0
@@ -429,7 +434,7 @@ def launch_counts(cost: dict) -> List[int]:
     Example:
         >>> from comera.ops.gpu_cost import launch_counts, tt_linear_gpu_cost
         >>> launch_counts(tt_linear_gpu_cost([5], [7], [1, 3, 1], 5, 7, 4, bias=False))
-        [2, 2, 0, 5, 4, 0]
+        [2, 2, 1, 5, 4, 1]
     """
     return [cost[phase]["launches"][kind] for phase in ("forward", "backward")
             for kind in ("kernel", "blas", "copy")]

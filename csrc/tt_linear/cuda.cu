@@ -11,6 +11,14 @@
 // gradient (the column sums of dy) falls out of the dU GEMM as its last row,
 // with no extra pass over y or dy.
 //
+// The rank the four large GEMMs share is padded with zeros to a multiple of
+// 32 bytes (16 elements of bfloat16/float16, 8 of float32): an odd K or
+// leading dimension such as 31 rules out cuBLAS's aligned tensor-core
+// kernels.  rp pads rm (the columns of V and S), rk pads rm plus the bias
+// rank (the columns of [T 1], the rows of [U; b]).  The padding stays inside
+// the op: t keeps rm columns (one strided copy out of the padded T), and dV is
+// compacted from its padded product the same way.
+//
 // Merges and their gradients run in the accumulator type (float32 for the
 // 16-bit types) from the gated cores, converted once per call (eff_kernel);
 // only V and U are rounded to the element type, for the tensor-core GEMMs.
@@ -33,6 +41,13 @@ namespace comera_cuda {
 namespace {
 
 // ------------------------------------------------------------------ layout
+// n rounded up to 32 bytes of T: rp = padded<T>(rm), rk = padded<T>(rm + hb)
+// (see the top of the file).
+template <typename T> int64_t padded(int64_t n) {
+    const int64_t step = 32 / (int64_t)sizeof(T);
+    return (n + step - 1) / step * step;
+}
+
 // The two merge chains: cores [0, p) make V, cores [p, D) make U.
 inline int chain_first(const comera_tt_linear_shape &s, int chain) {
     return chain == 0 ? 0 : s.p;
@@ -139,19 +154,23 @@ template <typename A> int run_merges(const Layer<A> &L, A *P, cudaStream_t st) {
 }
 
 template <typename T>
-PackArgs<T> pack_args(const Layer<typename Acc<T>::type> &L, const typename Acc<T>::type *P) {
+PackArgs<T> pack_args(const Layer<typename Acc<T>::type> &L, const typename Acc<T>::type *P,
+                      int64_t rk) {
     const tt_shape &s = L.s;
     PackArgs<T> a;
     a.in = s.in;
     a.out = s.out;
     a.rm = s.rmid;
+    a.rp = padded<T>(s.rmid);
+    a.rk = rk;
     a.v = s.p == 1 ? L.eff(0, s.rmid, 1) : mat(P + s.P_off[s.p - 1], s.rmid, 1);
     a.u = s.D - s.p == 1 ? L.eff(s.D - 1, s.out_pad, 1) : mat(P + s.P_off[s.D - 1], s.out_pad, 1);
     a.vc = a.uc = a.te = nullptr;
     a.bias = a.t_src = nullptr;
-    a.batch = a.te_ld = 0;
-    a.n_v = s.in * s.rmid;
-    a.n_u = s.rmid * s.out;
+    a.batch = 0;
+    a.ones = 0;
+    a.n_v = s.in * a.rp;
+    a.n_u = 0;  // set by the caller: rk rows forward, rp backward
     a.n_te = 0;
     return a;
 }
@@ -162,15 +181,23 @@ template <typename T> struct FwdBufs {
     T *vc, *ue, *te;
 };
 
+// te: [T 1] padded to rk columns, when that differs from t itself.
 template <typename T> FwdBufs<T> fwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
     typedef typename Acc<T>::type A;
+    const int64_t rk = padded<T>(s.rmid + hb);
     FwdBufs<T> b;
     b.eff = w.take<A>(s.core_off[s.D]);
     b.P = w.take<A>(s.P_off[s.D]);
-    b.vc = w.take<T>(s.in * s.rmid);
-    b.ue = w.take<T>((s.rmid + 1) * s.out);
-    b.te = hb ? w.take<T>(batch * (s.rmid + 1)) : nullptr;
+    b.vc = w.take<T>(s.in * padded<T>(s.rmid));
+    b.ue = w.take<T>(rk * s.out);
+    b.te = rk != s.rmid ? w.take<T>(batch * rk) : nullptr;
     return b;
+}
+
+// dP holds every merge's gradient, dU last: rk rows of out_pad, so the
+// padded dU product lands in place with the bias gradient as row rm.
+inline int64_t dP_size(const tt_shape &s, int64_t rk) {
+    return s.P_off[s.D] + (rk - s.rmid) * s.out_pad;
 }
 
 template <typename T> struct BwdBufs {
@@ -178,16 +205,18 @@ template <typename T> struct BwdBufs {
     typename Acc<T>::type *dpart[2];  // per chain: split sums of dP_{k-1}
     typename Acc<T>::type *part[COMERA_MAX_CORES];
     int64_t nsplit[COMERA_MAX_CORES];
+    typename Acc<T>::type *dVp;  // x^T S with rp columns, before compaction
     T *vc, *uc, *te, *S;
 };
 
 template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
     typedef typename Acc<T>::type A;
+    const int64_t rp = padded<T>(s.rmid), rk = padded<T>(s.rmid + hb);
     BwdBufs<T> b;
     b.eff = w.take<A>(s.core_off[s.D]);
     b.eff_t = w.take<A>(s.core_off[s.D]);
     b.P = w.take<A>(s.P_off[s.D]);
-    b.dP = w.take<A>(s.P_off[s.D] + s.out_pad);  // + the bias gradient row
+    b.dP = w.take<A>(dP_size(s, rk));  // + the padding rows of dU (the bias row first)
     b.deff = w.take<A>(s.core_off[s.D]);
     for (int k = 0; k < s.D; k++) {
         b.part[k] = nullptr;
@@ -208,10 +237,11 @@ template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bo
     int64_t gate_parts = 0;
     for (int k = 0; k < s.D - 1; k++) gate_parts += s.r[k + 1] * gate_chunks(s, k);
     b.gpart = w.take<A>(gate_parts);
-    b.vc = w.take<T>(s.in * s.rmid);
-    b.uc = w.take<T>(s.rmid * s.out);
-    b.te = hb ? w.take<T>(batch * (s.rmid + 1)) : nullptr;
-    b.S = w.take<T>(batch * s.rmid);
+    b.vc = w.take<T>(s.in * rp);
+    b.uc = w.take<T>(rp * s.out);
+    b.te = rk != s.rmid ? w.take<T>(batch * rk) : nullptr;
+    b.dVp = rp != s.rmid ? w.take<A>(s.in * rp) : nullptr;
+    b.S = w.take<T>(batch * rp);
     return b;
 }
 
@@ -228,26 +258,28 @@ int fwd(const tt_shape &s, int64_t B, const T *x, const T *const *cores, const T
     int rc = launch_eff<T>(s, cores, gates, b.eff, nullptr, nullptr, 0, st);
     if (!rc) rc = run_merges(L, b.P, st);
     if (rc) return rc;
-    int64_t rm = s.rmid, te_ld = rm + (hb ? 1 : 0);
-    T *te = hb ? b.te : t;
-    PackArgs<T> pa = pack_args<T>(L, b.P);
+    // T = x V into te, then y = te [U; b]: with the bias, te starts as the
+    // ones column and the first GEMM adds to it (beta 1)
+    const int64_t rm = s.rmid, rp = padded<T>(rm), rk = padded<T>(rm + hb);
+    T *te = rk != rm ? b.te : t;
+    PackArgs<T> pa = pack_args<T>(L, b.P, rk);
     pa.vc = b.vc;
     pa.uc = b.ue;
+    pa.n_u = rk * s.out;
     pa.bias = bias;
-    pa.n_u = (rm + (hb ? 1 : 0)) * s.out;
     pa.te = te;
-    pa.te_ld = te_ld;
+    pa.ones = hb;
     pa.batch = B;
-    pa.n_te = hb ? B : 0;
+    pa.n_te = hb ? B * rk : 0;
     COMERA_LAUNCH(pack_kernel<T>, pa.n_v + pa.n_u + pa.n_te, st, pa);
     if ((rc = launched())) return rc;
-    rc = gemm_rm(h, false, false, B, rm, s.in, x, dt, s.in, b.vc, dt, rm, te, dt, te_ld, ct, 0.0);
+    rc = gemm_rm(h, false, false, B, rp, s.in, x, dt, s.in, b.vc, dt, rp, te, dt, rk, ct,
+                 hb ? 1.0 : 0.0);
     if (rc) return rc;
-    rc = gemm_rm(h, false, false, B, s.out, te_ld, te, dt, te_ld, b.ue, dt, s.out, y, dt, s.out,
-                 ct, 0.0);
+    rc = gemm_rm(h, false, false, B, s.out, rk, te, dt, rk, b.ue, dt, s.out, y, dt, s.out, ct, 0.0);
     if (rc) return rc;
-    if (hb && cudaMemcpy2DAsync(t, sizeof(T) * rm, te, sizeof(T) * te_ld, sizeof(T) * rm, B,
-                                cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+    if (te != t && cudaMemcpy2DAsync(t, sizeof(T) * rm, te, sizeof(T) * rk, sizeof(T) * rm, B,
+                                     cudaMemcpyDeviceToDevice, st) != cudaSuccess)
         return COMERA_ERR_CUDA;
     return COMERA_OK;
 }
@@ -320,21 +352,23 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
     bool hb = dbias != nullptr;
     BwdBufs<T> b = bwd_layout<T>(s, B, hb, w);
     Layer<A> L{s, b.eff, b.eff_t};
-    int64_t rm = s.rmid, te_ld = rm + (hb ? 1 : 0);
+    const int64_t rm = s.rmid, rp = padded<T>(rm), rk = padded<T>(rm + hb);
     // dV, dU and the bias row are written for the real features only: the
     // padding and (for batch 0) everything else must read as zero
-    int rc = launch_eff<T>(s, cores, gates, b.eff, b.eff_t, b.dP, s.P_off[s.D] + s.out_pad, st);
+    int rc = launch_eff<T>(s, cores, gates, b.eff, b.eff_t, b.dP, dP_size(s, rk), st);
     if (!rc) rc = run_merges(L, b.P, st);
     if (rc) return rc;
-    const T *te = hb ? b.te : t;
-    PackArgs<T> pa = pack_args<T>(L, b.P);
+    // te: t padded to rk columns [with the ones column at rm]
+    const T *te = rk != rm ? b.te : t;
+    PackArgs<T> pa = pack_args<T>(L, b.P, rk);
     pa.vc = b.vc;
     pa.uc = b.uc;
-    pa.te = hb ? b.te : nullptr;
+    pa.n_u = rp * s.out;
+    pa.te = b.te;
     pa.t_src = t;
-    pa.te_ld = te_ld;
+    pa.ones = hb;
     pa.batch = B;
-    pa.n_te = hb ? B * te_ld : 0;
+    pa.n_te = rk != rm ? B * rk : 0;
     COMERA_LAUNCH(pack_kernel<T>, pa.n_v + pa.n_u + pa.n_te, st, pa);
     if ((rc = launched())) return rc;
 
@@ -342,17 +376,21 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
     if (B > 0) {
         // dy is read by the S and dU products back to back, so the second
         // read mostly hits L2
-        rc = gemm_rm(h, false, true, B, rm, s.out, dy, dt, s.out, b.uc, dt, s.out, b.S, dt, rm, ct,
+        rc = gemm_rm(h, false, true, B, rp, s.out, dy, dt, s.out, b.uc, dt, s.out, b.S, dt, rp, ct,
                      0.0);
         if (!rc)
-            rc = gemm_rm(h, true, false, te_ld, s.out, B, te, dt, te_ld, dy, dt, s.out, dU, at,
+            rc = gemm_rm(h, true, false, rk, s.out, B, te, dt, rk, dy, dt, s.out, dU, at,
                          s.out_pad, ct, 0.0);
         if (!rc && dx)
-            rc = gemm_rm(h, false, true, B, s.in, rm, b.S, dt, rm, b.vc, dt, rm, dx, dt, s.in, ct,
+            rc = gemm_rm(h, false, true, B, s.in, rp, b.S, dt, rp, b.vc, dt, rp, dx, dt, s.in, ct,
                          0.0);
+        A *dVp = rp != rm ? b.dVp : dV;
         if (!rc)
-            rc = gemm_rm(h, true, false, s.in, rm, B, x, dt, s.in, b.S, dt, rm, dV, at, rm, ct, 0.0);
+            rc = gemm_rm(h, true, false, s.in, rp, B, x, dt, s.in, b.S, dt, rp, dVp, at, rp, ct, 0.0);
         if (rc) return rc;
+        if (dVp != dV && cudaMemcpy2DAsync(dV, sizeof(A) * rm, dVp, sizeof(A) * rp, sizeof(A) * rm,
+                                           s.in, cudaMemcpyDeviceToDevice, st) != cudaSuccess)
+            return COMERA_ERR_CUDA;
     }
 
     if ((rc = back_through_merges(L, b, st))) return rc;

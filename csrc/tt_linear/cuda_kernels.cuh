@@ -139,34 +139,37 @@ template <typename T> __global__ void eff_kernel(EffArgs<T> a) {
     for_core_entries(a.off, a.D, a.n_zero, entry, zero);
 }
 
-// Writes the element-type operands of the four big GEMMs: vc (in x rm) from
-// V, uc ((rm [+1]) x out) from U [and the bias row], and te (batch x te_ld):
-// with t_src, a copy of t; with te_ld > rm, a ones column at rm.
+// Writes the element-type operands of the four big GEMMs, the rank padded
+// with zeros (cuda.cu: rp from rm, rk from rm and the bias): vc (in x rp)
+// from V, uc (n_u / out rows of out) from U [with the bias as row rm], and
+// te (batch x rk): with t_src, a copy of t, else zeros; with ones, a ones
+// column at rm.
 template <typename T> struct PackArgs {
     Mat<typename Acc<T>::type> v, u;
     T *vc, *uc, *te;
     const T *bias, *t_src;
-    int64_t in, out, rm, batch, te_ld;
+    int64_t in, out, rm, rp, rk, batch;
+    int ones;
     int64_t n_v, n_u, n_te;  // items per part
 };
 
 template <typename T> __global__ void pack_kernel(PackArgs<T> a) {
     typedef typename Acc<T>::type A;
+    const T zero = from_acc<T, A>((A)0);
     COMERA_FOR_EACH(item, a.n_v + a.n_u + a.n_te) {
         if (item < a.n_v) {
-            int64_t i = item / a.rm, c = item % a.rm;
-            a.vc[item] = from_acc<T, A>(mat_at(a.v, i, c));
+            int64_t i = item / a.rp, c = item % a.rp;
+            a.vc[item] = c < a.rm ? from_acc<T, A>(mat_at(a.v, i, c)) : zero;
         } else if (item < a.n_v + a.n_u) {
             int64_t o = item - a.n_v, c = o / a.out, j = o % a.out;
-            a.uc[o] = c < a.rm ? from_acc<T, A>(mat_at(a.u, c, j)) : a.bias[j];
+            a.uc[o] = c < a.rm ? from_acc<T, A>(mat_at(a.u, c, j))
+                               : (c == a.rm && a.bias ? a.bias[j] : zero);
         } else {
-            int64_t o = item - a.n_v - a.n_u;
-            if (a.t_src) {
-                int64_t r = o / a.te_ld, c = o % a.te_ld;
-                a.te[o] = c < a.rm ? a.t_src[r * a.rm + c] : from_acc<T, A>((A)1);
-            } else {
-                a.te[o * a.te_ld + a.rm] = from_acc<T, A>((A)1);  // o is the row
-            }
+            int64_t o = item - a.n_v - a.n_u, r = o / a.rk, c = o % a.rk;
+            if (c < a.rm)
+                a.te[o] = a.t_src ? a.t_src[r * a.rm + c] : zero;
+            else
+                a.te[o] = c == a.rm && a.ones ? from_acc<T, A>((A)1) : zero;
         }
     }
 }

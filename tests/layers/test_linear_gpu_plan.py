@@ -22,9 +22,12 @@ def test_ttlinear_plan_for_cuda():
     assert plan["seconds"] == want["seconds"] and plan["kernels"] == want["kernels"]
     assert plan["dense"]["seconds"] == dense_linear_gpu_cost(768, 3072, 4096)["seconds"]
     assert plan["x_vs_dense"] == pytest.approx(plan["dense"]["seconds"] / plan["seconds"])
-    nobias = comera.TTLinear(64, 32, bias=False, rank=4).plan(8, device="cuda", gpu="H100")
+    # float32 pads the rank to 8: rank 8 without a bias needs no copy, rank 4 one each way
+    nobias = comera.TTLinear(64, 32, bias=False, rank=8).plan(8, device="cuda", gpu="H100")
     assert nobias["forward"]["launches"]["copy"] == 0 and nobias["dtype"] == "float32"
     assert nobias["gpu"] == gpu_cost.GPUS["H100"].name
+    small = comera.TTLinear(64, 32, bias=False, rank=4).plan(8, device="cuda", gpu="H100")
+    assert small["forward"]["launches"]["copy"] == small["backward"]["launches"]["copy"] == 1
     assert "kernel" in layer.plan(4096)  # the CPU planner, as before
 
 

@@ -37,9 +37,10 @@ EMBEDDING = table("embedding")
 
 
 def linear_cost(c, batch=None):
+    # the emulation counts float32 calls (the padding step depends on the dtype)
     return tt_linear_gpu_cost(c["in"], c["out"], c["ranks"], c["features"][0], c["features"][1],
-                              c["batch"][0] if batch is None else batch, bias=bool(c["bias"][0]),
-                              input_grad=bool(c["dx"][0]))
+                              c["batch"][0] if batch is None else batch, torch.float32,
+                              bias=bool(c["bias"][0]), input_grad=bool(c["dx"][0]))
 
 
 def test_the_table_has_cases_of_both_ops():
@@ -47,7 +48,7 @@ def test_the_table_has_cases_of_both_ops():
     assert all(len(c["fwd"]) == 3 and len(c["bwd"]) == 3 for c in LINEAR + EMBEDDING)
 
 
-@pytest.mark.parametrize("case", LINEAR, ids=lambda c: f"{c['in']}x{c['out']}b{c['batch'][0]}")
+@pytest.mark.parametrize("case", LINEAR, ids=lambda c: f"{c['in']}x{c['out']}b{c['batch'][0]}bias{c['bias'][0]}")
 def test_linear_launches_match_the_emulation_table(case):
     assert launch_counts(linear_cost(case)) == case["fwd"] + case["bwd"]
 
@@ -73,8 +74,9 @@ def test_linear_flops_and_bytes_of_the_large_products():
     c = tt_linear_gpu_cost([8, 8, 12], [12, 16, 16], [1, 8, 32, 32, 32, 16, 1], 768, 3072, 4096)
     blas = {k["name"]: k for k in c["kernels"] if k["kind"] == "blas"}
     assert blas["T = x V"]["flops"] == 2 * 4096 * 768 * 32
-    assert blas["y = [T 1] [U; b]"]["flops"] == 2 * 4096 * 33 * 3072
-    assert blas["y = [T 1] [U; b]"]["bytes"] == 2 * (4096 * 33 + 33 * 3072 + 4096 * 3072)
+    # the bias rides as a 33rd rank, padded to 48 for the tensor cores
+    assert blas["y = [T 1] [U; b]"]["flops"] == 2 * 4096 * 48 * 3072
+    assert blas["y = [T 1] [U; b]"]["bytes"] == 2 * (4096 * 48 + 48 * 3072 + 4096 * 3072)
     assert blas["dx = S V^T"]["bytes"] == 2 * (4096 * 32 + 768 * 32 + 4096 * 768)
     # merge step 2, both chains in one launch: V's (8*8 x 32) times (32 x 12*32) and
     # U's (32*12*16 x 16) times (16 x 16*1)
@@ -115,20 +117,29 @@ def test_rates_and_devices():
         tt_linear_gpu_cost([8], [12], [1, 4], 8, 12, 1)
 
 
-def test_unaligned_products_are_flagged():
-    modes = ([8, 8, 12], [12, 16, 16], 768, 3072, 4096)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rank", [1, 8, 16, 30, 31, 32, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_rank_is_padded_for_aligned_products(dtype, rank, bias):
+    # 768 -> 3072: only the rank (and the bias riding as one more) can be odd
+    c = tt_linear_gpu_cost([8, 8, 12], [12, 16, 16], [1, 8, rank, rank, rank, 16, 1], 768, 3072,
+                           4096, dtype, bias=bias)
+    assert c["forward"]["unaligned_blas"] == c["backward"]["unaligned_blas"] == 0
+    step = 32 // dtype.itemsize
+    blas = {k["name"]: k for k in c["kernels"] if k["kind"] == "blas"}
+    rp, rk = (-(-n // step) * step for n in (rank, rank + bias))
+    assert blas["y = [T 1] [U; b]"]["flops"] == 2 * 4096 * rk * 3072
+    assert blas["dx = S V^T"]["flops"] == 2 * 4096 * rp * 768
+    copies = [k["name"] for k in c["kernels"] if k["kind"] == "copy"]
+    assert ("t from the padded T" in copies) == (rk != rank)
+    assert ("dV from the padded product" in copies) == (rp != rank)
 
-    def unaligned(rank, bias):
-        c = tt_linear_gpu_cost(modes[0], modes[1], [1, 8, rank, rank, rank, 16, 1], *modes[2:],
-                               bias=bias)
-        return sorted(k["name"] for k in c["kernels"] if not k.get("aligned", True))
-    assert unaligned(32, bias=False) == []
-    # the bias rides as a 33rd rank: [T 1] has a leading dimension of 33
-    assert unaligned(32, bias=True) == ["T = x V", "[dU; db] = [t 1]^T dy", "y = [T 1] [U; b]"]
-    assert len(unaligned(30, bias=False)) == 6  # rank 30: in every product, as K, N or ld
-    f32 = tt_linear_gpu_cost(*modes[:2], [1, 8, 36, 36, 36, 16, 1], *modes[2:], torch.float32,
-                             bias=False)
-    assert f32["forward"]["unaligned_blas"] == f32["backward"]["unaligned_blas"] == 0
+
+def test_unaligned_features_are_flagged():
+    c = tt_linear_gpu_cost([3, 5], [2, 3, 2], [1, 3, 4, 4, 2, 1], 13, 11, 64, torch.float32)
+    unaligned = sorted(k["name"] for k in c["kernels"] if not k.get("aligned", True))
+    assert unaligned == ["S = dy U^T", "T = x V", "[dU; db] = [t 1]^T dy", "dV = x^T S",
+                         "dx = S V^T", "y = [T 1] [U; b]"]
 
 
 def test_dense_linear():
