@@ -290,6 +290,36 @@ def sizes(model):
 
 # --------------------------------------------------------------------------- one run
 
+def train_curve(stepper, sched, mlm, steps, evals, score, *, log=print, name="", log_evals=False):
+    """Runs ``steps`` steps of ``stepper`` on ``mlm``'s batches, stepping
+    ``sched`` after each, timing only the steps; every ``steps // evals``
+    steps and at the end records ``score()`` (the validation loss).  Stops
+    at a non-finite loss.  Returns (losses, history, training seconds); the
+    history has step, train_s, loss (the mean since the last record) and
+    valid."""
+    every = max(1, steps // evals)
+    hist = {"step": [], "train_s": [], "valid": [], "loss": []}
+    losses, train_s = [], 0.0
+    for step in range(steps):
+        inputs, labels = mlm.batch(step)
+        t0 = time.perf_counter()
+        loss = stepper.step(inputs, labels)
+        sched.step()
+        train_s += time.perf_counter() - t0
+        losses.append(loss)
+        if not math.isfinite(loss):
+            log(f"    {name}: loss {loss} at step {step + 1}: stopped")
+            break
+        if (step + 1) % every == 0 or step + 1 == steps:
+            hist["step"].append(step + 1)
+            hist["train_s"].append(train_s)
+            hist["loss"].append(statistics.fmean(losses[-every:]))
+            hist["valid"].append(score())
+            if log_evals:
+                log(f"  {name} step {step + 1}: train {hist['loss'][-1]:.4f} valid {hist['valid'][-1]:.4f}")
+    return losses, hist, train_s
+
+
 def train_run(method, p, data, *, steps, lr, seed, fixed_ranks=None, ft_lr=None, args=None,
               score_test=True, save_to=None, log=print):
     """Trains one method for ``steps`` steps at peak ``lr``; returns its
@@ -315,24 +345,10 @@ def train_run(method, p, data, *, steps, lr, seed, fixed_ranks=None, ft_lr=None,
     stepper = Stepper(model, opt, device=cpu, clip=q.clip)
     ctrl = make_controller(model, q).attach(opt) if method == "comera" else None
     torch.manual_seed(seed)
-    eval_every = max(1, q.steps // args.evals)
-    hist = {"step": [], "train_s": [], "valid": [], "loss": []}
-    train_s, t_wall, losses = 0.0, time.perf_counter(), []
-    for step in range(q.steps):
-        inputs, labels = mlm.batch(step)
-        t0 = time.perf_counter()
-        loss = stepper.step(inputs, labels)
-        sched.step()
-        train_s += time.perf_counter() - t0
-        losses.append(loss)
-        if not math.isfinite(loss):
-            log(f"    {method}: loss {loss} at step {step + 1}: stopped")
-            break
-        if (step + 1) % eval_every == 0 or step + 1 == q.steps:
-            hist["step"].append(step + 1)
-            hist["train_s"].append(train_s)
-            hist["loss"].append(statistics.fmean(losses[-eval_every:]))
-            hist["valid"].append(evaluate(model, data["valid"], cpu, q.batch_size))
+    t_wall = time.perf_counter()
+    losses, hist, train_s = train_curve(
+        stepper, sched, mlm, q.steps, args.evals,
+        lambda: evaluate(model, data["valid"], cpu, q.batch_size), log=log, name=method)
     stepper.close()
     if ctrl is not None:
         ctrl.detach()

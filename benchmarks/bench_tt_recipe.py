@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -152,6 +151,7 @@ def run(name, cfg, p, data, lr, seed, evals, log=print):
     from comera.pretrain.data import MLMData
     from comera.pretrain.loop import make_schedule
     from comera.pretrain.step import Stepper, evaluate
+    from bench_quality import train_curve
     cpu = torch.device("cpu")
     mlm = MLMData(data["train_ids"], data["train_ids"][: p.seq_len * 2], seq_len=p.seq_len,
                   batch_size=p.batch_size, vocab_size=data["vocab"], valid_blocks=1, seed=seed)
@@ -166,25 +166,10 @@ def run(name, cfg, p, data, lr, seed, evals, log=print):
     stepper = Stepper(model, opt, device=cpu, clip=p.clip)
     ctrl = controller(model, p, cfg).attach(opt) if cfg["method"] == "tt" and cfg["adapt"] else None
     torch.manual_seed(seed)
-    every = max(1, p.steps // evals)
-    hist = {"step": [], "valid": [], "loss": [], "train_s": []}
-    losses, train_s, t_wall = [], 0.0, time.perf_counter()
-    for step in range(p.steps):
-        inputs, labels = mlm.batch(step)
-        t0 = time.perf_counter()
-        loss = stepper.step(inputs, labels)
-        sched.step()
-        train_s += time.perf_counter() - t0
-        losses.append(loss)
-        if not math.isfinite(loss):
-            log(f"  {name}: loss {loss} at step {step + 1}: stopped")
-            break
-        if (step + 1) % every == 0 or step + 1 == p.steps:
-            hist["step"].append(step + 1)
-            hist["train_s"].append(train_s)
-            hist["loss"].append(statistics.fmean(losses[-every:]))
-            hist["valid"].append(evaluate(model, data["valid"], cpu, p.batch_size))
-            log(f"  {name} step {step + 1}: train {hist['loss'][-1]:.4f} valid {hist['valid'][-1]:.4f}")
+    t_wall = time.perf_counter()
+    losses, hist, train_s = train_curve(stepper, sched, mlm, p.steps, evals,
+                                        lambda: evaluate(model, data["valid"], cpu, p.batch_size),
+                                        log=log, name=name, log_evals=True)
     stepper.close()
     if ctrl is not None:
         ctrl.detach()

@@ -114,3 +114,46 @@ def test_seed_order_rotates_and_comera_precedes_fixed():
     orders = [bq.order_for(s) for s in range(3)]
     assert len({o.index("dense") for o in orders}) == 3
     assert all(o.index("comera") < o.index("fixed") for o in orders)
+
+
+class _Steps:
+    """A stepper, schedule and batch source that replay a list of losses."""
+
+    def __init__(self, losses):
+        self.losses, self.sched_steps, self.batches = list(losses), 0, []
+
+    def batch(self, step):
+        self.batches.append(step)
+        return step, step
+
+    def step(self, inputs, labels):
+        return self.losses[inputs]
+
+
+class _Sched:
+    def __init__(self):
+        self.n = 0
+
+    def step(self):
+        self.n += 1
+
+
+@pytest.mark.parametrize("steps,evals,want_steps", [(10, 3, [3, 6, 9, 10]), (4, 10, [1, 2, 3, 4])])
+def test_train_curve_records_every_steps_over_evals_and_at_the_end(steps, evals, want_steps):
+    run, sched, scores = _Steps([float(i) for i in range(steps)]), _Sched(), iter(range(100))
+    losses, hist, train_s = bq.train_curve(run, sched, run, steps, evals, lambda: next(scores),
+                                           log=lambda *_: None)
+    assert losses == [float(i) for i in range(steps)] and run.batches == list(range(steps))
+    assert sched.n == steps and train_s >= 0
+    assert hist["step"] == want_steps and hist["valid"] == list(range(len(want_steps)))
+    every = max(1, steps // evals)
+    assert hist["loss"][0] == sum(range(every)) / every
+    assert hist["train_s"] == sorted(hist["train_s"])
+
+
+def test_train_curve_stops_at_a_non_finite_loss():
+    run, logged = _Steps([1.0, 2.0, math.nan, 3.0]), []
+    losses, hist, _ = bq.train_curve(run, _Sched(), run, 4, 4, lambda: 0.0, log=logged.append,
+                                     name="dense")
+    assert len(losses) == 3 and math.isnan(losses[-1]) and hist["step"] == [1, 2]
+    assert logged == ["    dense: loss nan at step 3: stopped"]
