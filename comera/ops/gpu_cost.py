@@ -321,6 +321,9 @@ def tt_linear_gpu_plan(in_modes: Sequence[int], out_modes: Sequence[int], ranks:
 
 
 # --------------------------------------------------------------- embedding
+SORT_CHUNK = 1024  # elements ranked by one launch before the merge passes (cuda.cuh)
+
+
 def _log2_passes(n: int) -> int:
     passes, w = 0, 1
     while w < n:
@@ -343,15 +346,15 @@ def tt_embedding_gpu_cost(row_modes: Sequence[int], dim_modes: Sequence[int],
     ``"sum"`` or ``"mean"`` (with ``num_bags`` bags), ``reuse`` as the layer's
     (``"auto"`` sorts for deduplication when a row's contraction costs more
     than the sort).  Every slot is costed as contracted (as with no repeated
-    index); the sorts take ``ceil(log2 n)`` merge passes over 16-byte
-    (key, position) pairs.
+    index); a sort is one launch ranking chunks of 1024 (key, position)
+    pairs of 16 bytes, then ``ceil(log2(n / 1024))`` merge passes.
 
     Example:
         >>> from comera.ops.gpu_cost import tt_embedding_gpu_cost
         >>> c = tt_embedding_gpu_cost([37, 25, 33], [8, 8, 12], [1, 32, 32, 1], 30522, 768,
         ...                           4096, reuse="dedup")
         >>> c["forward"]["launches"], c["backward"]["launches"]
-        ({'kernel': 21, 'blas': 0, 'copy': 0}, {'kernel': 75, 'blas': 0, 'copy': 0})
+        ({'kernel': 12, 'blas': 0, 'copy': 0}, {'kernel': 39, 'blas': 0, 'copy': 0})
     """
     _check_dtype(dtype)
     if mode not in MODE_CODES or reuse not in REUSE_CODES:
@@ -371,14 +374,14 @@ def tt_embedding_gpu_cost(row_modes: Sequence[int], dim_modes: Sequence[int],
     flops_row = sum(2.0 * E[k - 1] * r[k] * ed[k] * r[k + 1] for k in range(1, d))
     dedup = reuse != "none" and (reuse != "auto" or flops_row > SORT_FLOPS_PER_INDEX)
 
-    def sort(phase, what):
-        passes = _log2_passes(n)
-        for q in range(passes):
-            L.add(phase, "kernel", f"{what} merge pass {q + 1}", 0,
-                  32 * n + 16 * n * max(1, _log2_passes(n)))
-        if passes % 2:
-            for name in ("keys", "positions"):
-                L.add(phase, "copy", f"{what} sorted {name} back", 0, 16 * n)
+    def sort(phase, what):  # sort_pairs in csrc/tt_embedding/cuda.cuh
+        if n <= 1:
+            return
+        L.add(phase, "kernel", f"{what} chunk ranks", 2 * n * min(n, SORT_CHUNK), 32 * n)
+        w, q = SORT_CHUNK, 0
+        while w < n:
+            q, w = q + 1, 2 * w
+            L.add(phase, "kernel", f"{what} merge pass {q}", 0, 32 * n + 16 * n * _log2_passes(n))
 
     def common(phase, sorts):
         for k in range(d):

@@ -5,10 +5,11 @@
 // no atomics, so results do not depend on scheduling, see common/cuda_common.cuh):
 //
 //   slots     the n index positions become n "slots".  For dedup the slots
-//             are the indices stably sorted (a merge sort: ceil(log2 n)
-//             launches, each element finds its place by binary search in the
-//             neighbouring run), and the first slot of each run of equal
-//             indices is its "head".  Only heads are contracted; the other
+//             are the indices stably sorted (sort_pairs: one launch ranks
+//             chunks of SORT_CHUNK, then merge passes where each element
+//             finds its place by binary search in the neighbouring run:
+//             1 + ceil(log2(n / SORT_CHUNK)) launches), and the first slot
+//             of each run of equal indices is its "head".  Only heads are contracted; the other
 //             slots point at their head.  Without dedup every slot is its own
 //             head.  All buffers are sized by n, never by the number of
 //             distinct rows, so nothing depends on the data: no host sync, no
@@ -28,6 +29,8 @@
 
 #include "comera/tt_embedding.h"
 #include "common/cuda_common.cuh"
+
+#include <utility>
 
 namespace comera_cuda {
 namespace emb {
@@ -118,23 +121,37 @@ __global__ void merge_pass_kernel(const int64_t *key, const int64_t *val, int64_
     }
 }
 
-// Sorts (key, val) pairs stably by key; the result ends in key/val (the
-// *2 arrays are scratch of the same length).
-inline int sort_pairs(int64_t *key, int64_t *val, int64_t *key2, int64_t *val2, int64_t n,
-                      cudaStream_t st) {
-    for (int64_t w = 1; w < n; w *= 2) {
-        COMERA_LAUNCH(merge_pass_kernel, n, st, key, val, key2, val2, n, w);
-        int64_t *t = key; key = key2; key2 = t;
-        t = val; val = val2; val2 = t;
+// Elements ranked within a chunk by one thread each (chunk_rank_kernel):
+// SORT_CHUNK comparisons a thread take the place of log2(SORT_CHUNK) merge
+// passes, so a sort of up to SORT_CHUNK indices is one launch.
+constexpr int64_t SORT_CHUNK = 1024;
+
+// Stable sort within chunks of `chunk` elements: an element's place is the
+// count of the chunk's smaller keys and of its equal keys before it.
+__global__ void chunk_rank_kernel(const int64_t *key, const int64_t *val, int64_t *key2,
+                                  int64_t *val2, int64_t n, int64_t chunk) {
+    COMERA_FOR_EACH(i, n) {
+        int64_t base = i / chunk * chunk, end = base + chunk < n ? base + chunk : n;
+        int64_t k = key[i], dst = base;
+        for (int64_t j = base; j < end; j++) dst += key[j] < k || (key[j] == k && j < i);
+        key2[dst] = k;
+        val2[dst] = val[i];
     }
-    int passes = 0;
-    for (int64_t w = 1; w < n; w *= 2) passes++;
-    if (passes % 2 == 1) {  // the sorted data sits in the scratch arrays: copy back
-        if (cudaMemcpyAsync(key2, key, sizeof(int64_t) * (size_t)n, cudaMemcpyDeviceToDevice, st) !=
-                cudaSuccess ||
-            cudaMemcpyAsync(val2, val, sizeof(int64_t) * (size_t)n, cudaMemcpyDeviceToDevice, st) !=
-                cudaSuccess)
-            return COMERA_ERR_CUDA;
+}
+
+// Sorts (key, val) pairs stably by key.  The passes go back and forth
+// between the pairs and the scratch (*2) arrays of the same length; the
+// pointers are swapped so that key/val name the sorted result (no copy).
+inline int sort_pairs(int64_t *&key, int64_t *&val, int64_t *&key2, int64_t *&val2, int64_t n,
+                      cudaStream_t st) {
+    if (n <= 1) return COMERA_OK;
+    COMERA_LAUNCH(chunk_rank_kernel, n, st, key, val, key2, val2, n, SORT_CHUNK);
+    std::swap(key, key2);
+    std::swap(val, val2);
+    for (int64_t w = SORT_CHUNK; w < n; w *= 2) {
+        COMERA_LAUNCH(merge_pass_kernel, n, st, key, val, key2, val2, n, w);
+        std::swap(key, key2);
+        std::swap(val, val2);
     }
     return launched();
 }
@@ -214,7 +231,7 @@ template <typename A> Common<A> common_layout(const Shape &s, int64_t n, Arena &
 }
 
 template <typename T, typename A>
-int common_run(const Shape &s, const Common<A> &c, int64_t n, const int64_t *indices,
+int common_run(const Shape &s, Common<A> &c, int64_t n, const int64_t *indices,
                const T *const *cores, const T *const *gates, int dedup, cudaStream_t st) {
     for (int k = 0; k < s.d; k++) {
         int64_t r2 = s.r[k + 1], rows = s.r[k] * s.v[k] * s.e[k];

@@ -299,7 +299,7 @@ int seed_run(const Shape &s, const comera_tt_embedding_batch *b, int64_t bags, c
 // dC_k and dg_k from dR_k (f.grad[k % 2]) and R_{k-1}.
 template <typename T, typename A>
 int core_run(const Shape &s, int k, int64_t n, const T *core, const T *gate, T *dcore, T *dgate,
-             const BwdBufs<A> &f, cudaStream_t st) {
+             BwdBufs<A> &f, cudaStream_t st) {
     COMERA_LAUNCH(core_keys_kernel, n, st, s, k, f.c.key, f.c.head, n, f.ckey, f.cslot);
     int rc = launched();
     if (rc) return rc;

@@ -221,7 +221,7 @@ template <typename T> static void run_all() {
 template <typename T> static void long_runs() {
     for (int ci : {2, 5}) {
         const Case &c = CASES[ci];
-        for (int64_t n : {300, 700}) {
+        for (int64_t n : {300, 700, 2500}) {  // 2500: two merge passes after the chunk ranks
             std::vector<int64_t> idx = random_indices(c, n);
             for (int64_t p = 0; p < n; p++)
                 if (urand() > -0.2) idx[(size_t)p] = p % 3 ? 3 % c.num : (c.num - 2);

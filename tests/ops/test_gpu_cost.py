@@ -167,7 +167,10 @@ def test_ttembedding_plan_for_cuda():
     want = tt_embedding_gpu_cost(emb.row_shape, emb.dim_shape, [1] + emb.ranks + [1], 30522, 768,
                                  4096, gpu="H100")
     assert plan["kernels"] == want["kernels"] and plan["n"] == 4096
-    assert plan["forward"]["launches"]["kernel"] == 21  # 12 merge passes for 4096 indices
+    # 4096 indices: the sort is a chunk-rank launch and 2 merge passes
+    assert plan["forward"]["launches"]["kernel"] == 12
+    assert [k["name"] for k in plan["kernels"] if "sort" in k["name"] and k["phase"] == "forward"] \
+        == ["index sort chunk ranks", "index sort merge pass 1", "index sort merge pass 2"]
     bags = comera.TTEmbedding(100, 8, rank=2, mode="sum").plan(torch.zeros(3, 5, dtype=torch.long),
                                                                 device="cuda")
     assert bags["mode"] == "sum" and any(k["name"] == "bags" for k in bags["kernels"])
