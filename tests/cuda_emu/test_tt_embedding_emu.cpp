@@ -24,6 +24,7 @@
 #include "comera/cuda.h"
 #include "comera/tt_embedding.h"
 #include "../c/one_call.h"
+#include "emu_check.h"
 #include "launch_table.h"
 
 struct Case {
@@ -42,36 +43,7 @@ static const Case CASES[] = {
 };
 
 static unsigned g_state = 12345;
-static double urand() {
-    g_state = g_state * 1664525u + 1013904223u;
-    return ((g_state >> 8) & 0xFFFFFF) / 8388608.0 - 1.0;
-}
-
-template <typename T> T from_d(double v);
-template <> float from_d<float>(double v) { return (float)v; }
-template <> double from_d<double>(double v) { return v; }
-template <> __nv_bfloat16 from_d<__nv_bfloat16>(double v) { return __float2bfloat16((float)v); }
-template <> __half from_d<__half>(double v) { return __float2half((float)v); }
-static double to_d(float v) { return v; }
-static double to_d(double v) { return v; }
-static double to_d(__nv_bfloat16 v) { return __bfloat162float(v); }
-static double to_d(__half v) { return __half2float(v); }
-
-template <typename T> struct DT;
-template <> struct DT<float> { enum { id = COMERA_DT_F32 }; static constexpr double tol = 2e-5; };
-template <> struct DT<double> { enum { id = COMERA_DT_F64 }; static constexpr double tol = 1e-11; };
-template <> struct DT<__nv_bfloat16> { enum { id = COMERA_DT_BF16 }; static constexpr double tol = 4e-2; };
-template <> struct DT<__half> { enum { id = COMERA_DT_F16 }; static constexpr double tol = 6e-3; };
-
-static int passed = 0, failed = 0;
-static void check(bool ok, const std::string &what) {
-    if (ok) {
-        passed++;
-    } else {
-        failed++;
-        printf("FAIL %s\n", what.c_str());
-    }
-}
+static double urand() { return urand_from(&g_state); }
 
 template <typename T> static std::vector<double> rounded(size_t n, double lo, double hi) {
     std::vector<double> v(n);
