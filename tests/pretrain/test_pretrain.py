@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 
 import pytest
@@ -27,14 +26,9 @@ from comera.pretrain.model import count_parameters, preset  # noqa: E402
 from comera.pretrain.report import METRIC_KEYS  # noqa: E402
 from comera.pretrain.loop import make_optimizer, make_schedule  # noqa: E402
 
-STDLIB = sysconfig.get_paths()["stdlib"]
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain_tiny import REPO, STDLIB, tiny_args  # noqa: E402
 
-# A model small enough that a run takes a second or two.
-TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "32",
-        "--batch-size", "4", "--vocab-size", "300", "--valid-blocks", "4", "--eval-every", "3",
-        "--checkpoint-every", "2", "--log-every", "1", "--valid-fraction", "0.25", "--quiet",
-        "--threads", "1"]
+TINY = tiny_args()
 
 
 @pytest.fixture(scope="module")

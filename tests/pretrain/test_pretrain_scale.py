@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -21,15 +20,10 @@ from comera.pretrain.model import build_comera, preset  # noqa: E402
 from comera.pretrain.step import Stepper  # noqa: E402
 from comera.pretrain.loop import make_optimizer  # noqa: E402
 
-STDLIB = sysconfig.get_paths()["stdlib"]
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain_tiny import REPO, STDLIB, tiny_args  # noqa: E402
 
-# The tiny model of tests/pretrain/test_pretrain.py, with a batch of 8 so that 2
-# processes x 2 micro-batches still get 2 rows each.
-TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "32",
-        "--batch-size", "8", "--vocab-size", "300", "--valid-blocks", "8", "--eval-every", "5",
-        "--checkpoint-every", "5", "--log-every", "1", "--valid-fraction", "0.25", "--quiet",
-        "--threads", "1"]
+# A batch of 8, so that 2 processes x 2 micro-batches still get 2 rows each.
+TINY = tiny_args(batch_size=8, valid_blocks=8, eval_every=5, checkpoint_every=5)
 # Pruning every 2 steps and a target reached within the run: the processes
 # must cut the same ranks again and again.
 COMERA = ["--rank", "4", "--vocab-rank", "8", "--prune-every", "2", "--target-compression", "20",
