@@ -41,11 +41,14 @@ namespace comera_cuda {
 namespace {
 
 // ------------------------------------------------------------------ layout
-// n rounded up to 32 bytes of T: rp = padded<T>(rm), rk = padded<T>(rm + hb)
-// (see the top of the file).
-template <typename T> int64_t padded(int64_t n) {
-    const int64_t step = 32 / (int64_t)sizeof(T);
-    return (n + step - 1) / step * step;
+// The rank rm and its two paddings (see the top of the file): rp, rm rounded
+// up to 32 bytes of T; rk, rm plus the bias rank rounded up the same way.
+struct Ranks {
+    int64_t rm, rp, rk;
+};
+template <typename T> Ranks ranks_of(const tt_shape &s, bool hb) {
+    const int64_t step = 32 / (int64_t)sizeof(T), rm = s.rmid;
+    return Ranks{rm, (rm + step - 1) / step * step, (rm + (hb ? 1 : 0) + step - 1) / step * step};
 }
 
 // The two merge chains: cores [0, p) make V, cores [p, D) make U.
@@ -155,14 +158,14 @@ template <typename A> int run_merges(const Layer<A> &L, A *P, cudaStream_t st) {
 
 template <typename T>
 PackArgs<T> pack_args(const Layer<typename Acc<T>::type> &L, const typename Acc<T>::type *P,
-                      int64_t rk) {
+                      const Ranks &k, int64_t u_rows) {
     const tt_shape &s = L.s;
     PackArgs<T> a;
     a.in = s.in;
     a.out = s.out;
     a.rm = s.rmid;
-    a.rp = padded<T>(s.rmid);
-    a.rk = rk;
+    a.rp = k.rp;
+    a.rk = k.rk;
     a.v = s.p == 1 ? L.eff(0, s.rmid, 1) : mat(P + s.P_off[s.p - 1], s.rmid, 1);
     a.u = s.D - s.p == 1 ? L.eff(s.D - 1, s.out_pad, 1) : mat(P + s.P_off[s.D - 1], s.out_pad, 1);
     a.vc = a.uc = a.te = nullptr;
@@ -170,7 +173,7 @@ PackArgs<T> pack_args(const Layer<typename Acc<T>::type> &L, const typename Acc<
     a.batch = 0;
     a.ones = 0;
     a.n_v = s.in * a.rp;
-    a.n_u = 0;  // set by the caller: rk rows forward, rp backward
+    a.n_u = u_rows * s.out;
     a.n_te = 0;
     return a;
 }
@@ -184,20 +187,20 @@ template <typename T> struct FwdBufs {
 // te: [T 1] padded to rk columns, when that differs from t itself.
 template <typename T> FwdBufs<T> fwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
     typedef typename Acc<T>::type A;
-    const int64_t rk = padded<T>(s.rmid + hb);
+    const Ranks k = ranks_of<T>(s, hb);
     FwdBufs<T> b;
     b.eff = w.take<A>(s.core_off[s.D]);
     b.P = w.take<A>(s.P_off[s.D]);
-    b.vc = w.take<T>(s.in * padded<T>(s.rmid));
-    b.ue = w.take<T>(rk * s.out);
-    b.te = rk != s.rmid ? w.take<T>(batch * rk) : nullptr;
+    b.vc = w.take<T>(s.in * k.rp);
+    b.ue = w.take<T>(k.rk * s.out);
+    b.te = k.rk != k.rm ? w.take<T>(batch * k.rk) : nullptr;
     return b;
 }
 
 // dP holds every merge's gradient, dU last: rk rows of out_pad, so the
 // padded dU product lands in place with the bias gradient as row rm.
-inline int64_t dP_size(const tt_shape &s, int64_t rk) {
-    return s.P_off[s.D] + (rk - s.rmid) * s.out_pad;
+inline int64_t dP_size(const tt_shape &s, const Ranks &k) {
+    return s.P_off[s.D] + (k.rk - k.rm) * s.out_pad;
 }
 
 template <typename T> struct BwdBufs {
@@ -211,12 +214,12 @@ template <typename T> struct BwdBufs {
 
 template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bool hb, Arena &w) {
     typedef typename Acc<T>::type A;
-    const int64_t rp = padded<T>(s.rmid), rk = padded<T>(s.rmid + hb);
+    const Ranks k = ranks_of<T>(s, hb);
     BwdBufs<T> b;
     b.eff = w.take<A>(s.core_off[s.D]);
     b.eff_t = w.take<A>(s.core_off[s.D]);
     b.P = w.take<A>(s.P_off[s.D]);
-    b.dP = w.take<A>(dP_size(s, rk));  // + the padding rows of dU (the bias row first)
+    b.dP = w.take<A>(dP_size(s, k));  // + the padding rows of dU (the bias row first)
     b.deff = w.take<A>(s.core_off[s.D]);
     for (int k = 0; k < s.D; k++) {
         b.part[k] = nullptr;
@@ -237,11 +240,11 @@ template <typename T> BwdBufs<T> bwd_layout(const tt_shape &s, int64_t batch, bo
     int64_t gate_parts = 0;
     for (int k = 0; k < s.D - 1; k++) gate_parts += s.r[k + 1] * gate_chunks(s, k);
     b.gpart = w.take<A>(gate_parts);
-    b.vc = w.take<T>(s.in * rp);
-    b.uc = w.take<T>(rp * s.out);
-    b.te = rk != s.rmid ? w.take<T>(batch * rk) : nullptr;
-    b.dVp = rp != s.rmid ? w.take<A>(s.in * rp) : nullptr;
-    b.S = w.take<T>(batch * rp);
+    b.vc = w.take<T>(s.in * k.rp);
+    b.uc = w.take<T>(k.rp * s.out);
+    b.te = k.rk != k.rm ? w.take<T>(batch * k.rk) : nullptr;
+    b.dVp = k.rp != k.rm ? w.take<A>(s.in * k.rp) : nullptr;
+    b.S = w.take<T>(batch * k.rp);
     return b;
 }
 
@@ -260,12 +263,12 @@ int fwd(const tt_shape &s, int64_t B, const T *x, const T *const *cores, const T
     if (rc) return rc;
     // T = x V into te, then y = te [U; b]: with the bias, te starts as the
     // ones column and the first GEMM adds to it (beta 1)
-    const int64_t rm = s.rmid, rp = padded<T>(rm), rk = padded<T>(rm + hb);
-    T *te = rk != rm ? b.te : t;
-    PackArgs<T> pa = pack_args<T>(L, b.P, rk);
+    const Ranks k = ranks_of<T>(s, hb);
+    const int64_t rm = k.rm, rp = k.rp, rk = k.rk;
+    T *te = b.te ? b.te : t;
+    PackArgs<T> pa = pack_args<T>(L, b.P, k, rk);
     pa.vc = b.vc;
     pa.uc = b.ue;
-    pa.n_u = rk * s.out;
     pa.bias = bias;
     pa.te = te;
     pa.ones = hb;
@@ -352,23 +355,23 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
     bool hb = dbias != nullptr;
     BwdBufs<T> b = bwd_layout<T>(s, B, hb, w);
     Layer<A> L{s, b.eff, b.eff_t};
-    const int64_t rm = s.rmid, rp = padded<T>(rm), rk = padded<T>(rm + hb);
+    const Ranks k = ranks_of<T>(s, hb);
+    const int64_t rm = k.rm, rp = k.rp, rk = k.rk;
     // dV, dU and the bias row are written for the real features only: the
     // padding and (for batch 0) everything else must read as zero
-    int rc = launch_eff<T>(s, cores, gates, b.eff, b.eff_t, b.dP, dP_size(s, rk), st);
+    int rc = launch_eff<T>(s, cores, gates, b.eff, b.eff_t, b.dP, dP_size(s, k), st);
     if (!rc) rc = run_merges(L, b.P, st);
     if (rc) return rc;
     // te: t padded to rk columns [with the ones column at rm]
-    const T *te = rk != rm ? b.te : t;
-    PackArgs<T> pa = pack_args<T>(L, b.P, rk);
+    const T *te = b.te ? b.te : t;
+    PackArgs<T> pa = pack_args<T>(L, b.P, k, rp);
     pa.vc = b.vc;
     pa.uc = b.uc;
-    pa.n_u = rp * s.out;
     pa.te = b.te;
     pa.t_src = t;
     pa.ones = hb;
     pa.batch = B;
-    pa.n_te = rk != rm ? B * rk : 0;
+    pa.n_te = b.te ? B * rk : 0;
     COMERA_LAUNCH(pack_kernel<T>, pa.n_v + pa.n_u + pa.n_te, st, pa);
     if ((rc = launched())) return rc;
 
@@ -384,7 +387,7 @@ int bwd(const tt_shape &s, int64_t B, const T *dy, const T *x, const T *t, const
         if (!rc && dx)
             rc = gemm_rm(h, false, true, B, s.in, rp, b.S, dt, rp, b.vc, dt, rp, dx, dt, s.in, ct,
                          0.0);
-        A *dVp = rp != rm ? b.dVp : dV;
+        A *dVp = b.dVp ? b.dVp : dV;
         if (!rc)
             rc = gemm_rm(h, true, false, s.in, rp, B, x, dt, s.in, b.S, dt, rp, dVp, at, rp, ct, 0.0);
         if (rc) return rc;
