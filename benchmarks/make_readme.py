@@ -96,9 +96,6 @@ SECTIONS = [
     ("transformer_cpu", "The paper's six-encoder transformer"),
     ("accuracy_cpu", "Accuracy against compression",
      "Not run yet: `python benchmarks/bench_accuracy.py` writes it (hours on 2 cores)."),
-    ("codesearch_cpu", "Code search MRR after pre-training",
-     "Not run yet: `python benchmarks/bench_codesearch.py --run runs/RUN` writes it."),
-    ("pretrain_cpu", "Pre-training, dense against CoMERA"),
     ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path"),
     ("linear_cpu_xeon_amx", "TTLinear against nn.Linear and the merge path on an AMX Xeon "
      "(float32 and bfloat16)"),
@@ -135,15 +132,6 @@ STALE = {
                      "rule's learning rate"),
 }
 
-# Results that stand as measured but that a newer protocol supersedes.
-SUPERSEDED = {
-    "pretrain_cpu": "Learning rates set by hand per method and dense run before CoMERA, on a preset "
-                    "that learns little; the quality sections above (one learning-rate grid, "
-                    "interleaved runs, 3 seeds, held-out test files) supersede its loss figures.",
-    "codesearch_cpu": "One pre-training run per method and 1,000 of the test pairs; the quality "
-                      "sections above score every test pair after 3 pre-training seeds.",
-}
-
 
 def stale_note(name: str) -> str:
     """A warning for a result measured before the rules above, or ''."""
@@ -170,8 +158,6 @@ def section(name: str, title: str, missing: str = "") -> str:
     note = stale_note(name)
     if note:
         parts.append(note)
-    if name in SUPERSEDED:
-        parts.append(f"**Superseded:** {SUPERSEDED[name]}\n")
     with open(md_path) as fh:
         parts.append(demote(fh.read()))
     # a longer result name that starts with this one owns its own plots
