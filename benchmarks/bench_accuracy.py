@@ -385,7 +385,7 @@ def main(argv=None):
                 "stage1": 6 if q else 500, "stage2": 6 if q else 500,
                 "targets": [8.0, 12.0] if q else TARGETS, "max_files": 200 if q else 4000,
                 "max_train": 200 if q else 24000, "max_test": 100 if q else 4000,
-                "lr_grid": [1e-3, 3e-3] if q else [1e-3, 3e-3, 5e-3], "seeds": [0, 1, 2]}
+                "lr_grid": [1e-3, 3e-3] if q else [1e-3, 3e-3, 1e-2, 3e-2], "seeds": [0, 1, 2]}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
