@@ -69,6 +69,12 @@ CONFIGS = {
     "tt-comera-corelr10": {"method": "tt", "adapt": True, "gamma": 0.5, "core_lr": 10.0},
     "tt-comera-gamma0.1-corelr3": {"method": "tt", "adapt": True, "gamma": 0.1, "core_lr": 3.0},
     "tt-comera-nobalance": {"method": "tt", "adapt": True, "gamma": 0.5, "balance": False},
+    # the stage schedule: reach the target early and train longer at the final ranks, or
+    # discover ranks for longer and shrink late (the preset: stage 1 30%, stage 2 40%)
+    "tt-comera-gamma0.1-early": {"method": "tt", "adapt": True, "gamma": 0.1, "stage1": 0.1,
+                                 "stage2": 0.3},
+    "tt-comera-gamma0.1-late": {"method": "tt", "adapt": True, "gamma": 0.1, "stage1": 0.5,
+                                "stage2": 0.3},
 }
 DEFAULTS = {"adapt": False, "keep_dense": [], "core_lr": 1.0, "gamma": None, "stage1": None,
             "stage2": None, "target": "preset", "balance": None, "rank": None, "vocab_rank": None,
