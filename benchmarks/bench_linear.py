@@ -271,6 +271,7 @@ def markdown(payload, args):
     flags += f" --out {args.out}" if args.out else ""
     flags += f" --dtypes {args.dtypes}" if args.dtypes != ",".join(DTYPES) else ""
     env = f"GLIBC_TUNABLES={payload['glibc_tunables']} " if payload["glibc_tunables"] else ""
+    env += "".join(f"{k}={v} " for k, v in machine.get("isa_limits", {}).items())
     md.append(f"\nReproduce: `{env}python benchmarks/bench_linear.py --threads {args.threads}"
               f" --reps {args.reps}{flags}` (after `make install`).\n")
     return "\n".join(md) + "\n"

@@ -155,9 +155,20 @@ def copy_rate(nbytes: int = 256 << 20) -> float:
     return 2.0 * nbytes / t
 
 
+# Environment variables that limit the instruction sets the libraries use:
+# comera's kernel variant, MKL's code path, torch's own kernels.
+ISA_LIMITS = ("COMERA_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def isa_limits() -> Dict[str, str]:
+    """The ISA-limiting variables set in this process (empty: none)."""
+    return {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}
+
+
 def machine_record(*, measure: bool = True) -> Dict[str, object]:
     """What a reader needs to judge a figure: CPU, ISA, torch and its BLAS,
-    measured sgemm/copy rates (``measure=False`` skips them), threads, load."""
+    measured sgemm/copy rates (``measure=False`` skips them), threads, load,
+    and any ISA limit set through the environment."""
     rec = {
         "cpu_model": cpu_model(), "isa": isa_flags(), "cores": os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),
@@ -165,6 +176,8 @@ def machine_record(*, measure: bool = True) -> Dict[str, object]:
         "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
         "load_before": list(os.getloadavg()),
     }
+    if isa_limits():
+        rec["isa_limits"] = isa_limits()
     if measure:
         rec["sgemm_flops_per_s"] = sgemm_rate()
         rec["copy_bytes_per_s"] = copy_rate()
@@ -181,6 +194,9 @@ def machine_line(rec: Dict[str, object]) -> str:
     """One Markdown line describing the machine record."""
     parts = [f"{rec['cpu_model']} ({rec['cores']} cores; {', '.join(rec['isa']) or 'no ISA flags read'})",
              f"{rec['threads']} threads", f"torch {rec['torch']} ({rec['torch_blas']})"]
+    if rec.get("isa_limits"):
+        parts.append("instruction sets limited by " + ", ".join(
+            f"{k}={v}" for k, v in rec["isa_limits"].items()))
     if "sgemm_flops_per_s" in rec:
         parts.append(f"sgemm {rec['sgemm_flops_per_s'] / 1e9:.0f} GFLOP/s, "
                      f"copy {rec['copy_bytes_per_s'] / 1e9:.1f} GB/s (measured in this run)")

@@ -59,6 +59,18 @@ def test_machine_record_has_what_a_reader_needs():
     assert rec["cpu_model"] in line and "threads" in line
 
 
+def test_machine_record_names_the_isa_limits_set(monkeypatch):
+    for k in timing.ISA_LIMITS:
+        monkeypatch.delenv(k, raising=False)
+    assert "isa_limits" not in timing.machine_record(measure=False)
+    monkeypatch.setenv("COMERA_ISA", "avx2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    rec = timing.machine_record(measure=False)
+    assert rec["isa_limits"] == {"COMERA_ISA": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    line = timing.machine_line(rec)
+    assert "limited by COMERA_ISA=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2" in line
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_subprocess_case_runs_with_the_threads_asked(tmp_path, threads):
     script = tmp_path / "case.py"
