@@ -99,6 +99,8 @@ SECTIONS = [
     ("linear_cpu", "TTLinear against nn.Linear and the matmul merge path"),
     ("linear_cpu_xeon_amx", "TTLinear against nn.Linear and the merge path on an AMX Xeon "
      "(float32 and bfloat16)"),
+    ("linear_cpu_xeon_avx2only", "TTLinear on the AMX Xeon with comera, MKL and torch limited "
+     "to AVX2"),
     ("linear_cpu_glibc_hugetlb", "TTLinear with glibc's huge-page malloc"),
     ("bench_embedding", "TTEmbedding against nn.Embedding"),
     ("prune_cpu", "Pruning: time against FLOPs"),
