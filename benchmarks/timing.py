@@ -176,8 +176,9 @@ def machine_record(*, measure: bool = True) -> Dict[str, object]:
         "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
         "load_before": list(os.getloadavg()),
     }
-    if isa_limits():
-        rec["isa_limits"] = isa_limits()
+    limits = isa_limits()
+    if limits:
+        rec["isa_limits"] = limits
     if measure:
         rec["sgemm_flops_per_s"] = sgemm_rate()
         rec["copy_bytes_per_s"] = copy_rate()
