@@ -48,7 +48,7 @@ LINEAR_TINY = {"in": 48, "out": 96, "rank": 4, "rows": 64, "dtype": "float32"}
 TARGETS = {("linear", "eager"): 1.5, ("linear", "graph"): 2.0,
            ("embedding", "eager"): 1.0, ("embedding", "graph"): 1.0,
            ("transformer", "eager"): 1.3, ("transformer", "graph"): 1.3,
-           ("pretrain", "eager"): 1.3}
+           ("pretrain", "eager"): 1.3, ("pretrain", "graph"): 1.3}
 COMPILED = " compiled"  # suffix of the torch.compile'd dense baselines
 
 
@@ -364,7 +364,7 @@ def steady_tokens_per_s(history):
 def pretrain_part(runs):
     """The pre-training figures from {name: metrics.json path} (name: the
     method, such as "dense", "comera" or "dense compiled")."""
-    out = {"runs": {}, "tokens_per_s": {}, "mode": "eager"}
+    out = {"runs": {}, "tokens_per_s": {}, "mode": "eager"}  # "graph" once a run captured
     for name, path in runs.items():
         if not os.path.exists(path):
             out["runs"][name] = {"missing": path}
@@ -377,8 +377,12 @@ def pretrain_part(runs):
         out["runs"][name] = {"steps": m["steps_done"], "tokens_per_s": m["tokens_per_s"],
                              "steady_tokens_per_s": steady,
                              "compression_whole": m.get("compression_whole"),
-                             "compile": metrics.get("environment", {}).get("compile", False)}
+                             "compile": metrics.get("environment", {}).get("compile", False),
+                             # captured steps (comera pretrain --graph, the CUDA default)
+                             "graph": m.get("graph")}
         out["tokens_per_s"][name] = steady or m["tokens_per_s"]
+        if (m.get("graph") or {}).get("captures"):
+            out["mode"] = "graph"
     tps = out["tokens_per_s"]
     # ratios of rates: this method's tokens/s over the baseline's
     if "dense" in tps:

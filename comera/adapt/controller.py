@@ -175,10 +175,12 @@ class RankController:
         return self.stage(step) == 2 and (
             self.target_size is None or step - self.stage1_steps >= self.reach_steps())
 
-    def budget(self, t: int, size_start: torch.Tensor) -> torch.Tensor:
-        """The size allowed after stage-2 step t (0-based): cubic from the start size to S*."""
+    def budget(self, t, size_start: torch.Tensor) -> torch.Tensor:
+        """The size allowed after stage-2 step t (0-based; an int, or a tensor
+        on the device): cubic from the start size to S*."""
         target = self.target_size
-        frac = min(1.0, (t + 1) / self.reach_steps())
+        frac = (t + 1) / self.reach_steps()
+        frac = frac.clamp(max=1.0) if isinstance(frac, torch.Tensor) else min(1.0, frac)
         return target + (size_start - target) * (1.0 - frac) ** 3
 
     def penalty_weights(self, state: ControllerState,
@@ -241,7 +243,8 @@ class RankController:
         state.lam0.copy_(torch.where(begin, state.lam0.new_full((), start), state.lam0))
         state.lam.copy_(torch.where(begin, state.lam0, state.lam))
         state.started |= active
-        budget = self.budget(state.step - self.stage1_steps, state.size_start)
+        # the device's copy of the step: a captured step must not bake it in
+        budget = self.budget(state.clock - self.stage1_steps, state.size_start)
         lo, hi = (state.lam0 * r for r in LAMBDA_RANGE)
         lam = torch.minimum(hi, torch.maximum(lo, state.lam * torch.exp(
             DUAL_GAIN * (size.double() / budget - 1.0))))

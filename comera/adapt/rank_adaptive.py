@@ -329,26 +329,67 @@ class RankAdaptive:
         if self.prune_every is not None and optimizer is None:
             raise TypeError("RankAdaptive.step: prune_every is set, so pass the optimizer "
                             "(its state is pruned with the model)")
+        self.step_begin()
+        self.step_gates(optimizer)
+        self.step_end(optimizer)
+
+    # The three parts of a step, for a caller that captures the middle one in
+    # a CUDA graph (comera.pretrain.graphed): host, device only, host.
+    def capture_key(self) -> tuple:
+        """What the device work of the next step depends on besides tensor
+        values: the stage, whether the schedule froze the ranks, and the
+        gates' shapes.  A captured :meth:`step_gates` stays valid while the
+        key is unchanged (the budget and learning rates are read from tensors).
+
+        Example:
+            >>> import torch, comera
+            >>> ra = comera.RankAdaptive(comera.TTLinear(16, 16, rank=4), stage1_steps=1)
+            >>> before = ra.capture_key(); ra.step(); ra.capture_key() == before
+            False
+        """
+        return (self.stage, self.controller.schedule_frozen(self.state.step),
+                tuple(tuple(g.shape) for g in self._gates()))
+
+    @torch.no_grad()
+    def step_begin(self) -> None:
+        """First part of :meth:`step` (host): follows moved or pruned gates
+        and writes the step counter to the device (``state.clock``)."""
+        self._follow()
+        self.state.tick()
+
+    @torch.no_grad()
+    def step_gates(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Second part of :meth:`step`: the gate step.  Sync-free
+        (:meth:`uses_sync_free`), it only queues device work, so it can be
+        captured in a CUDA graph and replayed while :meth:`capture_key` holds."""
         if not self._layers:
-            self.state.step += 1
             return
         self._check_pruner()
         params = self._gates()
         gates = self._values(params)
-        self.state.follow(gates)
         fg = self._flat(gates)
         self._gate_step.run(self.state, fg, gates, self._rates(optimizer, params, fg.device),
                             sync=not self.uses_sync_free())
         if gates is not params:
             self._agree(params, gates)
+
+    @torch.no_grad()
+    def step_end(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Last part of :meth:`step` (host): counts the step and prunes every
+        ``prune_every`` steps (which reads the device)."""
         self.state.step += 1
-        if self.prune_every is not None and self.state.step % self.prune_every == 0:
-            self.check()
-            keeps = [keep_indices(g) for g in gates]
-            (self._pruner or prune)(self.model, optimizer)
-            gates = self._values(self._gates())
-            self.state.after_prune(gates, keeps)
-            self._flat(gates)  # the new layout now, not in the next (maybe sync-free) step
+        if not self._layers or self.prune_every is None or self.state.step % self.prune_every:
+            return
+        if optimizer is None:
+            raise TypeError("RankAdaptive.step_end: prune_every is set, so pass the optimizer "
+                            "(its state is pruned with the model)")
+        self.check()
+        gates = self._values(self._gates())
+        keeps = [keep_indices(g) for g in gates]
+        (self._pruner or prune)(self.model, optimizer)
+        gates = self._values(self._gates())
+        self.state.after_prune(gates, keeps)
+        self._flat(gates)  # the new layout now, not in the next (maybe sync-free) step
 
     def check(self) -> None:
         """Raises the ValueError of a NaN gate met by an earlier sync-free

@@ -2,9 +2,11 @@
 hands to the rank controller and the gate step each step.
 
 Everything that depends on gate values is a tensor on the gates' device,
-so reading or updating it never waits for a GPU; only the step counter is a
-host integer, because the stage and the budget's schedule follow from it
-without looking at the device.
+so reading or updating it never waits for a GPU.  The step counter is a
+host integer, because the stage follows from it without looking at the
+device; ``clock`` is its copy on the device, written before each step, so
+that a step captured in a CUDA graph reads the current step's budget
+rather than the one of the step it was captured at.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -34,6 +36,8 @@ class ControllerState:
 
     Attributes:
         step: steps taken (a host int: the stage follows from it).
+        clock: ``step`` as a float64 0-d tensor on the device (set by
+            :meth:`tick`; the stage-2 budget reads it).
         signs: per gate (int8, on the gate's device): +-1 live, 0 dead.
         saliency: per gate (float64): running average of ``|g dL/dg|``.
         lam, lam0: the stage-2 penalty weight and its start value.
@@ -59,6 +63,7 @@ class ControllerState:
     frozen: torch.Tensor
     nan_seen: torch.Tensor
     nan_gates: torch.Tensor
+    clock: torch.Tensor
 
     @classmethod
     def for_gates(cls, gates: Sequence[torch.Tensor]) -> "ControllerState":
@@ -69,9 +74,10 @@ class ControllerState:
                    lam=torch.zeros((), **f64), lam0=torch.zeros((), **f64),
                    size_start=torch.zeros((), **f64), started=torch.zeros((), **flag),
                    frozen=torch.zeros((), **flag), nan_seen=torch.zeros((), **flag),
-                   nan_gates=torch.zeros(len(gates), **flag))
+                   nan_gates=torch.zeros(len(gates), **flag), clock=torch.zeros((), **f64))
 
-    _SCALARS = ("lam", "lam0", "size_start", "started", "frozen", "nan_seen", "nan_gates")
+    _SCALARS = ("lam", "lam0", "size_start", "started", "frozen", "nan_seen", "nan_gates",
+                "clock")
 
     @property
     def device(self) -> torch.device:
@@ -125,6 +131,10 @@ class ControllerState:
             for name in self._SCALARS:
                 setattr(self, name, getattr(self, name).to(gates[0].device))
 
+    def tick(self) -> None:
+        """Copies the host step counter to ``clock`` (a fill: no read of the device)."""
+        self.clock.fill_(float(self.step))
+
     def note_nan(self, bad: torch.Tensor) -> None:
         """Records ``bad`` (per gate: holds a NaN) if it is the first NaN seen."""
         first = bad.any() & ~self.nan_seen
@@ -161,6 +171,7 @@ class ControllerState:
         self.size_start.fill_(0.0 if size_start is None else float(size_start))
         self.nan_seen.fill_(False)
         self.nan_gates.fill_(False)
+        self.tick()
         signs, saliency = list(saved.get("signs", [])), list(saved.get("saliency", []))
         same = [len(t) == len(gates) and all(a.shape == g.shape for a, g in zip(t, gates))
                 for t in (signs, saliency)]

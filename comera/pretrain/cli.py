@@ -71,6 +71,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="shard parameters, gradients and optimizer state over the processes with "
                         "FSDP2 (fully_shard on every TT layer, then the whole model) instead of "
                         "replicating them with DistributedDataParallel; needs torchrun")
+    g.add_argument("--graph", default=None, action=argparse.BooleanOptionalAction,
+                   help="capture each training step in one CUDA graph (forward, backward, AdamW "
+                        "and the rank controller's gate step), replayed with new batches; default: "
+                        "on for one process on CUDA, off otherwise")
     g.add_argument("--compile", action="store_true", help="torch.compile the encoder (the output layer, on the masked positions only, "
                         "stays eager)")
 

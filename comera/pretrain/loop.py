@@ -14,6 +14,7 @@ from comera import storage
 from comera.adapt import RankAdaptive, prune
 from comera.integrations import fsdp as fsdp_glue
 from comera.pretrain.data import MLMData
+from comera.pretrain.graphed import GraphedStepper
 from comera.pretrain.model import Preset, build_comera, build_dense, count_parameters
 from comera.pretrain.monitor import PeakMemory, Progress, StopFlag, release_memory
 from comera.pretrain.processes import Context
@@ -48,6 +49,38 @@ def make_optimizer(model: nn.Module, p: Preset, lr: Optional[float] = None) -> t
     return torch.optim.AdamW([{"params": decay, "weight_decay": p.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=p.lr if lr is None else lr, betas=(0.9, 0.98), eps=1e-6)
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Readies ``optimizer`` for a step captured in a graph: each group's
+    learning rate becomes a tensor on ``device`` (the schedule fills it in
+    place) and, on CUDA, AdamW runs ``capturable`` (its step counts on the
+    device).  Call it after loading a state dict, which brings floats back.
+
+    Example:
+        >>> opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.5)
+        >>> make_capturable(opt, torch.device("cpu")); opt.param_groups[0]["lr"]
+        tensor(0.5000)
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            group["capturable"] = True
+    for state in optimizer.state.values() if device.type == "cuda" else ():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+
+def portable_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with plain float learning rates and
+    ``capturable`` off, so that a checkpoint of a captured run resumes
+    anywhere (:func:`make_capturable` redoes it)."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        group["lr"] = float(group["lr"])
+        if group.get("capturable"):
+            group["capturable"] = False
+    return state
 
 
 def make_schedule(optimizer, p: Preset):
@@ -120,13 +153,28 @@ class Budget:
 class Options:
     """How each step is computed: the processes (``ctx``), ``precision``
     (``"fp32"`` or ``"bf16"`` autocast), ``grad_accum`` micro-batches per
-    step, ``compile`` (torch.compile of the forward) and ``fsdp`` (FSDP2
-    sharding over the processes instead of DistributedDataParallel)."""
+    step, ``compile`` (torch.compile of the forward), ``fsdp`` (FSDP2
+    sharding over the processes instead of DistributedDataParallel) and
+    ``graph`` (each step one captured CUDA graph,
+    :mod:`comera.pretrain.graphed`; None: on for one process on CUDA)."""
     ctx: Optional[Context] = None
     precision: str = "fp32"
     grad_accum: int = 1
     compile: bool = False
     fsdp: bool = False
+    graph: Optional[bool] = None
+
+    def graphed(self, device: torch.device) -> bool:
+        """Whether steps on ``device`` run as captured graphs."""
+        several = self.ctx is not None and self.ctx.enabled
+        if self.graph is None:
+            return device.type == "cuda" and not several and not self.fsdp
+        if self.graph and (several or self.fsdp):
+            raise ValueError("--graph captures the step of one process: it does not combine with "
+                             "several processes or --fsdp")
+        if self.graph and device.type != "cuda":
+            raise ValueError(f"--graph captures CUDA graphs: it needs a CUDA --device, got {device}")
+        return self.graph
 
 
 def _new_totals() -> dict:
@@ -208,14 +256,23 @@ class _MethodRun:
             self.step, self.history, self.totals = 0, _new_history(), _new_totals()
         if self.step == 0:
             torch.manual_seed(seed)
-        # Its gate-sync hook (several processes) must run before the controller's.
-        self.stepper = Stepper(self.model, self.optimizer, device=device, ctx=ctx, precision=opt.precision,
-                               grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip,
-                               objective=self.objective)
-        if self.controller is not None:
-            self.controller.attach(self.optimizer)
+        self.stepper = self._make_stepper(p, opt)
         self.t_start = time.perf_counter()
         self.wall_before = self.totals["wall_time_s"]
+
+    def _make_stepper(self, p: Preset, opt: Options):
+        if opt.graphed(self.device):  # the stepper drives the controller around each replay
+            make_capturable(self.optimizer, self.device)
+            return GraphedStepper(self.model, self.optimizer, device=self.device,
+                                  controller=self.controller, precision=opt.precision,
+                                  grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip)
+        # Its gate-sync hook (several processes) must run before the controller's.
+        stepper = Stepper(self.model, self.optimizer, device=self.device, ctx=self.ctx,
+                          precision=opt.precision, grad_accum=opt.grad_accum, compile=opt.compile,
+                          clip=p.clip, objective=self.objective)
+        if self.controller is not None:
+            self.controller.attach(self.optimizer)
+        return stepper
 
     def _prune(self, model: nn.Module, optimizer) -> dict:
         """Pruning of the model sharded inside ``self.objective`` (--fsdp)."""
@@ -234,7 +291,7 @@ class _MethodRun:
         if not self.ctx.main:
             return
         if not self.opt.fsdp:
-            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+            model_state, optimizer_state = self.model.state_dict(), portable_state(self.optimizer)
         c = self.controller
         storage.save_training_state(self.path, {
             "method": self.method, "step": self.step, "model": model_state,
@@ -251,7 +308,7 @@ class _MethodRun:
         """One step, recorded in the history and totals; returns its loss."""
         t0 = time.perf_counter()
         loss_value = self.stepper.step(*self.data.batch(self.step))
-        lr = self.schedule.get_last_lr()[0]
+        lr = float(self.schedule.get_last_lr()[0])
         self.schedule.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -324,6 +381,8 @@ def train_method(method: str, p: Preset, data: MLMData, run_dir: str, *, device:
     r.save_checkpoint()
     result = _result(method, r.model, controller, p, r.step, stop_reason or "finished", history,
                      r.totals, r.memory)
+    # this invocation's steps: captured in a CUDA graph (--graph) or eager
+    result["graph"] = r.stepper.report() if isinstance(r.stepper, GraphedStepper) else None
     r.close()
     del r, controller  # the controller holds the model
     release_memory()

@@ -176,7 +176,8 @@ def run_pretrain(args, log=_log) -> dict:
         processes.split_batch(p.batch_size, ctx.world, grad_accum)
         options = Options(ctx=ctx, precision=getattr(args, "precision", "fp32"), grad_accum=grad_accum,
                           compile=bool(getattr(args, "compile", False)),
-                          fsdp=bool(getattr(args, "fsdp", False)))
+                          fsdp=bool(getattr(args, "fsdp", False)), graph=getattr(args, "graph", None))
+        options.graphed(device)  # validates --graph against the processes and --fsdp
         if options.fsdp and not ctx.enabled:
             raise ValueError("--fsdp shards the model over several processes: start the run with "
                              "torchrun (torchrun --nproc-per-node N -m comera pretrain --fsdp ...)")

@@ -54,6 +54,42 @@ class MLMObjective(nn.Module):
         logits = self.model.lm_head(hidden[chosen])
         return F.cross_entropy(logits.float(), labels[chosen], reduction="sum")
 
+    def fixed(self, inputs: torch.Tensor, index: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with the scored positions given in fixed-size
+        tensors (:func:`pack_masked`): ``index``, flat positions into
+        ``inputs``; ``targets``, their labels, -100 on the padding (ignored).
+        The same value as ``forward(inputs, labels)``, and no shape depends on
+        the data, so a CUDA graph can hold it."""
+        hidden = self._encoder(input_ids=inputs).last_hidden_state
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        return F.cross_entropy(self.model.lm_head(picked).float(), targets, reduction="sum")
+
+
+def pack_masked(labels: torch.Tensor, capacity: int):
+    """The masked positions of each micro-batch of ``labels`` (``parts`` x
+    rows x seq_len, on the host) as fixed-size tensors for
+    :meth:`MLMObjective.fixed`: ``(index, targets)``, both ``parts`` x
+    ``capacity``, padded with position 0 and target -100.  Raises if a
+    micro-batch has more than ``capacity`` masked positions.
+
+    Example:
+        >>> labels = torch.tensor([[[-100, 7, -100], [5, -100, -100]]])
+        >>> index, targets = pack_masked(labels, 4)
+        >>> index.tolist(), targets.tolist()
+        ([[1, 3, 0, 0]], [[7, 5, -100, -100]])
+    """
+    flat = labels.reshape(labels.shape[0], -1)
+    index = torch.zeros(flat.shape[0], capacity, dtype=torch.int64)
+    targets = torch.full((flat.shape[0], capacity), -100, dtype=torch.int64)
+    for part, row in enumerate(flat):
+        where = (row != -100).nonzero().squeeze(1)
+        if where.numel() > capacity:
+            raise ValueError(f"pack_masked: a micro-batch has {where.numel()} masked positions, "
+                             f"more than capacity={capacity}")
+        index[part, :where.numel()] = where
+        targets[part, :where.numel()] = row[where]
+    return index, targets
+
 
 def shard(objective: MLMObjective) -> MLMObjective:
     """FSDP2 over the processes of the run: every TT layer is its own unit
@@ -74,9 +110,11 @@ def shard(objective: MLMObjective) -> MLMObjective:
     return objective
 
 
-def autocast(device: torch.device, precision: str):
+def autocast(device: torch.device, precision: str, cache: bool = True):
     """The autocast context of ``precision``: bfloat16 activations with
-    float32 parameters for ``"bf16"``, nothing for ``"fp32"``.
+    float32 parameters for ``"bf16"``, nothing for ``"fp32"``.  ``cache``:
+    autocast's cache of cast weights (off for a step captured in a CUDA
+    graph, whose replays must cast the updated weights again).
 
     Example:
         >>> with autocast(torch.device("cpu"), "bf16"):
@@ -86,7 +124,8 @@ def autocast(device: torch.device, precision: str):
     """
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {PRECISIONS}, got {precision!r}")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16",
+                          cache_enabled=cache)
 
 
 def _shapes(model: nn.Module) -> List[tuple]:

@@ -48,6 +48,7 @@ def _decide(ctl, state, step, live, proposals, scores, sync):
             pytest.fail("scores were not needed")
         return matrix
     state.step = step
+    state.tick()  # the device copy of the step, as RankAdaptive.step_begin writes it
     revive, kill = ctl.decide(state, torch.tensor(live), died, magnitude, score_fn,
                               torch.tensor(True), [width] * nb, sync=sync)
     as_pairs = lambda m: sorted(map(tuple, m.nonzero().tolist()))  # noqa: E731

@@ -86,6 +86,7 @@ def _compare_sequence(seed: int, sync: bool):
             for j, c in per.items():
                 score[b, j] = c
         state.step = step
+        state.tick()
         revive, kill = dev.decide(state, torch.tensor([len(a) for a in alive]), died, mag,
                                   lambda: score, torch.tensor(True), lengths, sync=sync)
         where_msg = f"seed {seed} step {step}"
