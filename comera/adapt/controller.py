@@ -63,6 +63,27 @@ def bonds(shapes: Shapes) -> List[Tuple[int, int]]:
     return [(li, k) for li, modes in enumerate(shapes) for k in range(len(modes) - 1)]
 
 
+def _layer_ranks(shapes: Shapes, live: Sequence[int]) -> List[List[int]]:
+    """Per layer, its ranks with the outer 1s, from the per-bond ranks."""
+    out, at = [], 0
+    for modes in shapes:
+        out.append([1, *live[at:at + len(modes) - 1], 1])
+        at += len(modes) - 1
+    return out
+
+
+def _tt_size(shapes: Shapes, live: Sequence[int]) -> int:
+    """:meth:`TTSizes.size` in plain Python."""
+    return sum(r[k] * n * r[k + 1] for modes, r in zip(shapes, _layer_ranks(shapes, live))
+               for k, n in enumerate(modes))
+
+
+def _rank_costs(shapes: Shapes, live: Sequence[int]) -> List[int]:
+    """:meth:`TTSizes.cost` in plain Python."""
+    return [r[k] * modes[k] + modes[k + 1] * r[k + 2]
+            for modes, r in zip(shapes, _layer_ranks(shapes, live)) for k in range(len(modes) - 1)]
+
+
 class TTSizes:
     """The parameter count of TT layers as a function of their live ranks.
 
@@ -152,6 +173,7 @@ class RankController:
         self.target_size = target_size
         self.min_rank = min_rank
         self._sizes: Dict[torch.device, TTSizes] = {}
+        self._extremes: Dict[Tuple[int, ...], Tuple[float, float, float]] = {}
 
     def sizes(self, device: torch.device) -> TTSizes:
         """The size formulas on ``device`` (built once per device)."""
@@ -174,6 +196,49 @@ class RankController:
         the target (the controller froze there at the latest)."""
         return self.stage(step) == 2 and (
             self.target_size is None or step - self.stage1_steps >= self.reach_steps())
+
+    def kill_rounds(self, step: int, lengths: Sequence[int]) -> int:
+        """The masked kill rounds of step ``step`` (:meth:`_kills`): a bound,
+        known on the host, on the kills the greedy can make, rounded up to a
+        power of two (a captured step then changes rarely), and at most every
+        entry that could die (``lengths``: each bond's gate length); 0 where
+        no kill loop runs (no target, stage 1).
+
+        Every kill removes at least ``c_min`` parameters (a rank of the
+        cheapest bond, every other rank at ``min_rank``), and the kills stop
+        within the budget.  A step starts at most at the previous budget, or,
+        when kills were blocked there, within the dearest rank ``c_max`` of
+        the floor; the budget then falls by at most ``S_max - S*`` times the
+        schedule's drop (``S_max``: the size with every gate entry live).
+
+        Example:
+            >>> ctl = RankController([[16, 16, 16, 16]], gamma=1e-3, stage1_steps=0,
+            ...                      stage2_steps=100, target_size=500.0)
+            >>> ctl.kill_rounds(0, [16, 16, 16]), ctl.kill_rounds(20, [16, 16, 16])  # of 45
+            (45, 32)
+        """
+        total = sum(max(0, n - self.min_rank) for n in lengths)
+        if self.target_size is None or self.stage(step) != 2 or not total:
+            return 0  # no kill loop runs
+        s_max, c_min, c_max = self._size_extremes(lengths)
+        t, reach = step - self.stage1_steps, self.reach_steps()
+        left = [(1.0 - min(1.0, max(0, u + 1) / reach)) ** 3 for u in (t - 1, t)]
+        drop = max(0.0, s_max - self.target_size) * max(0.0, left[0] - left[1])
+        rounds = math.ceil(drop / c_min) + math.ceil(c_max / c_min) + 2
+        return min(total, 1 << (rounds - 1).bit_length())
+
+    def _size_extremes(self, lengths: Sequence[int]) -> Tuple[float, float, float]:
+        """``(S_max, c_min, c_max)`` for these gate lengths (plain Python: the
+        host never touches a tensor here; kept per lengths)."""
+        key = tuple(lengths)
+        if key not in self._extremes:
+            full = list(key)
+            least = [min(n, self.min_rank) for n in full]
+            dying = [i for i, n in enumerate(full) if n > self.min_rank]
+            self._extremes[key] = (float(_tt_size(self.shapes, full)),
+                                   float(min(_rank_costs(self.shapes, least)[i] for i in dying)),
+                                   float(max(_rank_costs(self.shapes, full))))
+        return self._extremes[key]
 
     def budget(self, t, size_start: torch.Tensor) -> torch.Tensor:
         """The size allowed after stage-2 step t (0-based; an int, or a tensor
@@ -228,7 +293,7 @@ class RankController:
             return revive, kill
         final = budget <= target
         alive = scores().masked_fill(died & ~revive, INF)
-        rounds = sum(max(0, n - self.min_rank) for n in lengths)
+        rounds = self.kill_rounds(state.step, lengths)
         kill = self._kills(sizes, live, size, budget, alive, need, final, rounds, sync)
         state.frozen |= need & final
         return revive, kill
@@ -279,8 +344,8 @@ class RankController:
         saved) until ``size <= budget``, never below the floor.  When the
         budget is the target and no allowed kill remains, takes the one kill
         that lands closest to S* if it beats stopping.  A fixed number of
-        masked rounds (one kill or none each; as many as entries could ever
-        die), so no round asks the host whether to go on unless ``sync``."""
+        masked rounds (one kill or none each; :meth:`kill_rounds`, a bound on
+        the kills), so no round asks the host whether to go on unless ``sync``."""
         target, floor = self.target_size, self.target_size / (1.0 + UNDERSHOOT)
         kill = torch.zeros(alive.shape, dtype=torch.bool, device=alive.device)
         entries = torch.arange(alive.shape[1], device=alive.device)

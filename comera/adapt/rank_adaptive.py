@@ -335,11 +335,25 @@ class RankAdaptive:
 
     # The three parts of a step, for a caller that captures the middle one in
     # a CUDA graph (comera.pretrain.graphed): host, device only, host.
+    def kill_rounds(self) -> int:
+        """The masked kill rounds the next sync-free step runs (0 outside the
+        part of stage 2 that kills): what a captured step costs on top of a
+        few hundred small operations, each round several more."""
+        lengths = [g.numel() for g in self._gates()]
+        return 0 if self.frozen_by_schedule() else self.controller.kill_rounds(self.state.step,
+                                                                              lengths)
+
+    def frozen_by_schedule(self) -> bool:
+        """Whether the ranks are frozen at the next step whatever the gates hold."""
+        return self.controller.schedule_frozen(self.state.step)
+
     def capture_key(self) -> tuple:
         """What the device work of the next step depends on besides tensor
-        values: the stage, whether the schedule froze the ranks, and the
-        gates' shapes.  A captured :meth:`step_gates` stays valid while the
-        key is unchanged (the budget and learning rates are read from tensors).
+        values: the stage, whether the schedule froze the ranks, the gates'
+        shapes and the number of kill rounds (which falls, in powers of two,
+        as the budget's schedule slows).  A captured :meth:`step_gates` stays
+        valid while the key is unchanged (the budget and learning rates are
+        read from tensors).
 
         Example:
             >>> import torch, comera
@@ -347,8 +361,8 @@ class RankAdaptive:
             >>> before = ra.capture_key(); ra.step(); ra.capture_key() == before
             False
         """
-        return (self.stage, self.controller.schedule_frozen(self.state.step),
-                tuple(tuple(g.shape) for g in self._gates()))
+        return (self.stage, self.frozen_by_schedule(),
+                tuple(tuple(g.shape) for g in self._gates()), self.kill_rounds())
 
     @torch.no_grad()
     def step_begin(self) -> None:
@@ -358,10 +372,13 @@ class RankAdaptive:
         self.state.tick()
 
     @torch.no_grad()
-    def step_gates(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def step_gates(self, optimizer: Optional[torch.optim.Optimizer],
+                   sync: Optional[bool] = None) -> None:
         """Second part of :meth:`step`: the gate step.  Sync-free
         (:meth:`uses_sync_free`), it only queues device work, so it can be
-        captured in a CUDA graph and replayed while :meth:`capture_key` holds."""
+        captured in a CUDA graph and replayed while :meth:`capture_key` holds.
+        ``sync``: overrides :meth:`uses_sync_free` for this call (the same
+        result; reading the device stops the stage-2 kill loop early)."""
         if not self._layers:
             return
         self._check_pruner()
@@ -369,7 +386,7 @@ class RankAdaptive:
         gates = self._values(params)
         fg = self._flat(gates)
         self._gate_step.run(self.state, fg, gates, self._rates(optimizer, params, fg.device),
-                            sync=not self.uses_sync_free())
+                            sync=not self.uses_sync_free() if sync is None else sync)
         if gates is not params:
             self._agree(params, gates)
 

@@ -14,12 +14,15 @@ number, the capacity, padded with ignored targets: :func:`pack_masked`) and
 the batch's number of predicted tokens.  What the captured work depends on
 besides tensor values is the *key*: the batch shape, the capacity, the
 parameter shapes and :meth:`comera.RankAdaptive.capture_key` (stage, frozen
-schedule).  When it changes (a stage switch, a prune, a batch with more
+schedule, kill rounds).  When it changes (a stage switch, a prune, a batch with more
 masked tokens than the capacity) the graph is dropped, that step runs
 eagerly (the same fixed-shape computation, on a side stream as capture
 requires, which also creates the optimizer state), and the next step
 captures anew.  The host part of the controller's step (the step counter,
-its copy on the device, pruning) runs around each replay.
+its copy on the device, pruning) runs around each replay.  While stage 2
+may kill ranks with more than ``GRAPH_KILL_ROUNDS`` masked rounds, the gate
+step runs after the replay instead, reading the device to stop at the last
+kill (the same result: tested).
 
 The graph changes parameters in place without autograd's version counters
 seeing it, so after each replay the stepper bumps them: what a layer keeps
@@ -44,6 +47,10 @@ from comera.pretrain.step import MLMObjective, autocast, pack_masked
 # MLM masks are random, so a later batch may have a few more.
 HEADROOM = 1.1
 ROUND = 64  # capacities are multiples of this (aligned products, few re-captures)
+# A gate step with more stage-2 kill rounds than this runs after the replay,
+# reading the device to stop at the last kill: each round is dozens of small
+# kernels, most of them idle, and a step rarely kills more than a few ranks.
+GRAPH_KILL_ROUNDS = 64
 
 
 class CudaGraph:
@@ -156,6 +163,7 @@ class GraphedStepper:
         self._make_graph = graph if graph is not None else (lambda: CudaGraph(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._graph, self._key, self._buf = None, None, None
+        self._gates_inside = False  # the gate step is part of the captured step
         self.capacity = 0
         self.captures = 0  # graphs captured so far
         self.eager_steps = 0  # steps run without a graph (the first after each key change)
@@ -182,6 +190,8 @@ class GraphedStepper:
         if key != self._key:
             self._drop_graph()
             self._buf = self._new_buffers(inputs.shape)
+            self._gates_inside = (self.controller is not None
+                                  and self.controller.kill_rounds() <= GRAPH_KILL_ROUNDS)
         self._fill(inputs, labels, count)
         if self.controller is not None:
             self.controller.step_begin()
@@ -193,6 +203,8 @@ class GraphedStepper:
         else:
             self._graph.replay()
             increment_version(list(self.model.parameters()))
+        if self.controller is not None and not self._gates_inside:
+            self.controller.step_gates(self.optimizer, sync=True)
         loss = float(self._buf.loss) / count
         if self.controller is not None:
             self.controller.step_end(self.optimizer)
@@ -215,7 +227,7 @@ class GraphedStepper:
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
-        if self.controller is not None:
+        if self._gates_inside:
             self.controller.step_gates(self.optimizer)
         buf.loss.copy_(total)
 
@@ -223,7 +235,6 @@ class GraphedStepper:
         self.eager_steps += 1
         with self._side_stream():
             self._compute()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _capture(self) -> bool:
         """Captures the step; on failure warns, and every later step runs

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import comera
 from comera.adapt import controller as rc
 from comera.adapt.controller import RankController, TTSizes
 from comera.adapt.state import ControllerState
@@ -211,3 +212,33 @@ def test_a_nan_step_changes_nothing():
                               torch.tensor(False), [3, 3])
     assert not revive.any() and not kill.any()
     assert not bool(state.started) and not bool(state.frozen) and float(state.lam) == 0.0
+
+
+# ------------------------------------------------------- kill rounds bound
+@pytest.mark.parametrize("seed", range(4))
+def test_kill_rounds_bound_every_kill_the_greedy_makes(seed, monkeypatch):
+    """Training runs whose stage 2 kills: at every step the greedy, run
+    without a bound, kills no more ranks than ``kill_rounds`` allows."""
+    torch.manual_seed(seed)
+    dims = [(24, 32), (48, 16), (32, 32)][seed % 3]
+    model = torch.nn.Sequential(comera.TTLinear(*dims, rank=6), torch.nn.ReLU(),
+                                comera.TTLinear(dims[1], dims[0], rank=6))
+    seen = []
+    unbounded = RankController._kills
+
+    def spy(self, sizes, live, size, budget, alive, going, final, rounds, sync):
+        full = unbounded(self, sizes, live, size, budget, alive, going, final, 10**6, True)
+        seen.append((int(full.sum()), rounds))
+        return unbounded(self, sizes, live, size, budget, alive, going, final, rounds, sync)
+    monkeypatch.setattr(RankController, "_kills", spy)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    ra = comera.RankAdaptive(model, gamma=0.02, stage1_steps=5, stage2_steps=40 + 20 * seed,
+                             target_compression=6.0 + 4 * seed, sync_free=True).attach(opt)
+    for _ in range(5 + 40 + 20 * seed):
+        x = torch.randn(16, dims[0])
+        loss = (model(x) - x.flip(1)[:, :dims[0]]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert sum(k for k, _ in seen) > 0, "no step killed: the test shows nothing"
+    assert all(k <= r for k, r in seen), seen
