@@ -50,7 +50,7 @@ ROUND = 64  # capacities are multiples of this (aligned products, few re-capture
 # A gate step with more stage-2 kill rounds than this runs after the replay,
 # reading the device to stop at the last kill: each round is dozens of small
 # kernels, most of them idle, and a step rarely kills more than a few ranks.
-GRAPH_KILL_ROUNDS = 64
+GRAPH_KILL_ROUNDS = 16
 
 
 class CudaGraph:
