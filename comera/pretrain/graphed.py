@@ -233,7 +233,10 @@ class GraphedStepper:
 
     def _eager(self) -> None:
         self.eager_steps += 1
-        with self._side_stream():
+        with self._side_stream(), warnings.catch_warnings():
+            # AdamW warns when a capturable instance steps outside a capture:
+            # these steps do so by design, between captures
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable")
             self._compute()
 
     def _capture(self) -> bool:
