@@ -263,6 +263,8 @@ class _MethodRun:
     def _make_stepper(self, p: Preset, opt: Options):
         if opt.graphed(self.device):  # the stepper drives the controller around each replay
             make_capturable(self.optimizer, self.device)
+            if self.controller is not None:
+                self.controller.sync_free = True  # (the CUDA default) its gate step in the graph
             return GraphedStepper(self.model, self.optimizer, device=self.device,
                                   controller=self.controller, precision=opt.precision,
                                   grad_accum=opt.grad_accum, compile=opt.compile, clip=p.clip)

@@ -4,7 +4,9 @@ against the eager Stepper through both rank-adaptive stages and pruning (the
 graph stood in by RerunGraph, which replays by running the step again and
 checks that no host state changes), and that the captured work never reads
 the device (a dispatch mode that fails on every op that would)."""
+import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -21,7 +23,8 @@ from comera.pretrain.loop import (Options, make_capturable, make_optimizer,  # n
                                   make_schedule, portable_state)
 from comera.pretrain.model import build_comera, preset  # noqa: E402
 from comera.pretrain.step import MLMObjective, Stepper, autocast, pack_masked  # noqa: E402
-from pretrain_tiny import tiny_args  # noqa: E402
+from comera.pretrain import loop  # noqa: E402
+from pretrain_tiny import STDLIB, tiny_args  # noqa: E402
 
 CPU = torch.device("cpu")
 VOCAB = 300
@@ -255,3 +258,49 @@ def test_token_ids_are_checked_on_the_host():
     x[0, 3] = VOCAB
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 300\), got \[\d+, 300\]"):
         stepper.step(x, y)
+
+
+# ------------------------------------------------- the whole command line
+COMERA_ARGS = ["--rank", "4", "--vocab-rank", "8", "--prune-every", "3", "--target-compression",
+               "20", "--stage1", "0.25", "--stage2", "0.5", "--lr", "0.001", "--lr-comera", "0.002"]
+
+
+@pytest.fixture(scope="module")
+def code_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("code")
+    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "string.py", "colorsys.py"):
+        shutil.copy(os.path.join(STDLIB, name), d / name)
+    return str(d)
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.json")) as fh:
+        return json.load(fh)["methods"]
+
+
+class _RerunStepper(GraphedStepper):
+    """What `comera pretrain` builds on CUDA, with RerunGraph for the graph."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, graph=RerunGraph, **kwargs)
+
+
+def test_pretrain_command_graphed_trains_like_eager_and_resumes(code_dir, tmp_path, monkeypatch):
+    """`comera pretrain` with its steps graphed (RerunGraph standing in for
+    CUDA graphs), stopped halfway and resumed, against the eager run."""
+    run = ["--corpus", code_dir, "--method", "both", "--steps", "12", *tiny_args(batch_size=8),
+           *COMERA_ARGS]
+    eager = str(tmp_path / "eager")
+    assert main(["pretrain", *run, "--out", eager]) == 0
+    monkeypatch.setattr(loop.Options, "graphed", lambda self, device: True)
+    monkeypatch.setattr(loop, "GraphedStepper", _RerunStepper)
+    out = str(tmp_path / "graphed")
+    assert main(["pretrain", *run, "--out", out, "--stop-after", "5"]) == 0
+    assert main(["pretrain", *run, "--out", out, "--resume"]) == 0
+    want, got = _metrics(eager), _metrics(out)
+    for method in ("dense", "comera"):
+        assert got[method]["graph"]["captures"] >= 1, got[method]["graph"]
+        assert got[method]["history"]["loss"] == pytest.approx(want[method]["history"]["loss"],
+                                                               rel=1e-5)
+        assert got[method]["valid_loss"] == pytest.approx(want[method]["valid_loss"], rel=1e-5)
+    assert got["comera"]["final_ranks"] == want["comera"]["final_ranks"]
