@@ -304,3 +304,39 @@ def test_pretrain_command_graphed_trains_like_eager_and_resumes(code_dir, tmp_pa
                                                                rel=1e-5)
         assert got[method]["valid_loss"] == pytest.approx(want[method]["valid_loss"], rel=1e-5)
     assert got["comera"]["final_ranks"] == want["comera"]["final_ranks"]
+
+
+@pytest.mark.needs_cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: needs a real GPU")
+def test_cuda_graphed_run_matches_eager_on_the_gpu():
+    """The same run as above with real CUDA graphs (no dropout: a graph's
+    random offsets need not follow eager's)."""
+    cuda = torch.device("cuda")
+
+    def run(graphed):
+        p = _preset()
+        p.dropout = 0.0
+        model = build_comera(p, VOCAB, seed=0).to(cuda)
+        opt = make_optimizer(model, p)
+        sched = make_schedule(opt, p)
+        ra = comera.RankAdaptive(model, gamma=0.05, threshold=0.05, stage1_steps=6,
+                                 stage2_steps=10, target_compression=3.0, prune_every=5)
+        make_capturable(opt, cuda)
+        if graphed:
+            stepper = GraphedStepper(model, opt, device=cuda, controller=ra, clip=1.0)
+        else:
+            stepper = Stepper(model, opt, device=cuda, clip=1.0)
+            ra.attach(opt)
+        losses = []
+        for x, y in _batches(24):
+            losses.append(stepper.step(x, y))
+            sched.step()
+        return losses, model, stepper
+
+    want, eager_model, _ = run(False)
+    got, model, stepper = run(True)
+    assert stepper.failed is None and stepper.captures >= 4, stepper.report()
+    assert got == pytest.approx(want, rel=1e-4)
+    for a, b in zip(model.parameters(), eager_model.parameters()):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
