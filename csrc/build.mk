@@ -7,7 +7,7 @@ COMERA_C_STD = -std=c11
 COMERA_C_WARN = -Wall -Wextra
 COMERA_C_OPENMP = -fopenmp
 # the C kernels: compiled with the C compiler into the extension's static library
-COMERA_C_SOURCES = common/gemm.c common/gemm_f64.c common/gemm_isa.c common/gemm_dot.c \
+COMERA_C_SOURCES = common/gemm.c common/gemm_f64.c common/gemm_isa.c common/gemm_avx2.c common/gemm_dot.c \
                    common/gemm_half.c common/gemm_amx.c common/status.c common/pages.c \
                    common/workspace.c common/outpool.c \
                    tt_linear/plan.c tt_linear/cpu_f32.c tt_linear/cpu_f64.c tt_linear/cpu_half.c \

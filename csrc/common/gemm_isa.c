@@ -6,10 +6,7 @@
  * intrinsics: the build is ISO C11, where GCC does not contract a * b + c
  * into an FMA, so the plain-C form would issue a multiply and an add.
  *
- *   avx2     6 x 16: 12 ymm accumulators + 2 B vectors + 1 broadcast of 16
- *            registers, enough independent FMAs to cover their latency;
- *            4- and 2-row forms for the last rows of a product; streaming
- *            stores as on AVX-512 (a tile row is one whole line).
+ *   avx2     6 x 16 (common/gemm_avx2.c).
  *   avx512  12 x 32: two packed panels at once, two zmm per row, 24
  *            accumulators, so each broadcast of A feeds two FMAs (with one
  *            panel, 12 x 16, the broadcasts alone kept the load ports as
@@ -47,7 +44,7 @@
 
 /* Writes (or adds) the first mr x nr of a row-major tile of `width`-wide
  * rows to C of element type ct (16-bit types: rounded, never added to). */
-static void store_partial(const float *tile, int width, int mr, int nr, void *C,
+void comera_store_partial(const float *tile, int width, int mr, int nr, void *C,
                           int64_t ldc, int accumulate, int ct) {
     for (int i = 0; i < mr; i++) {
         const float *t = tile + i * width;
@@ -69,7 +66,7 @@ static void widen_generic(int dt, const uint16_t *src, float *dst, int64_t n) {
 }
 
 /* One panel of nr <= 16 columns from src (row stride ldb), zero-padded. */
-static void pack_half_panel(int dt, int64_t K, int64_t nr, const uint16_t *src, int64_t ldb,
+void comera_pack_half_panel(int dt, int64_t K, int64_t nr, const uint16_t *src, int64_t ldb,
                             float *dst) {
     for (int64_t k = 0; k < K; k++) {
         int64_t j = 0;
@@ -83,13 +80,7 @@ static void pack_half_panel(int dt, int64_t K, int64_t nr, const uint16_t *src, 
 static void pack_half_generic(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
                               float *packed) {
     for (int64_t j0 = 0; j0 < N; j0 += NR)
-        pack_half_panel(dt, K, N - j0 < NR ? N - j0 : NR, B + j0, ldb, packed + j0 * K);
-}
-
-/* Rows beyond mr reuse the last valid row of A (every load stays in
- * bounds); their results are computed and dropped. */
-static void row_pointers(const float **a, int rows, const float *A, int64_t rsa, int mr) {
-    for (int i = 0; i < rows; i++) a[i] = A + (i < mr ? i : mr - 1) * rsa;
+        comera_pack_half_panel(dt, K, N - j0 < NR ? N - j0 : NR, B + j0, ldb, packed + j0 * K);
 }
 
 #define GENERIC_MR 6
@@ -98,7 +89,7 @@ static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
                          int nr, int accumulate, int ct) {
     (void)psb; /* one panel */
     const float *a[GENERIC_MR];
-    row_pointers(a, GENERIC_MR, A, rsa, mr);
+    comera_row_pointers(a, GENERIC_MR, A, rsa, mr);
     float acc[GENERIC_MR][NR];
     memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < K; k++) {
@@ -108,179 +99,10 @@ static void tile_generic(int64_t K, const float *A, int64_t rsa, int64_t csa,
             for (int j = 0; j < NR; j++) acc[i][j] += s * b[j];
         }
     }
-    store_partial(&acc[0][0], NR, mr, nr, C, ldc, accumulate, ct);
+    comera_store_partial(&acc[0][0], NR, mr, nr, C, ldc, accumulate, ct);
 }
 
 #ifdef COMERA_X86_VARIANTS
-/* 8 floats to 8 bfloat16 / float16 values, rounded to nearest even */
-__attribute__((target("avx2,fma,f16c"), always_inline))
-static inline __m128i avx2_narrow(__m256 v, int ct) {
-    if (ct == COMERA_DT_F16) return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    r = _mm256_blendv_epi8(r, q, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    /* 32-bit lanes to 16-bit: pack within 128-bit halves, then join them */
-    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    return _mm256_castsi256_si128(p);
-}
-
-/* a tile row's 8 floats at C + at (element type ct) */
-__attribute__((target("avx2,fma,f16c"), always_inline))
-static inline void avx2_put(__m256 v, void *C, int64_t at, int accumulate, int ct) {
-    if (ct != COMERA_DT_F32) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)C + at), avx2_narrow(v, ct));
-        return;
-    }
-    float *c = (float *)C + at;
-    if (accumulate == COMERA_GEMM_ADD) v = _mm256_add_ps(v, _mm256_loadu_ps(c));
-    _mm256_storeu_ps(c, v);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void widen_avx2(int dt, const uint16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
-        __m256 v = dt == COMERA_DT_F16
-                       ? _mm256_cvtph_ps(h)
-                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_storeu_ps(dst + i, v);
-    }
-    for (; i < n; i++) dst[i] = comera_half_to_f32(dt, src[i]);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-static void pack_half_avx2(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
-                           float *packed) {
-    int64_t whole = N - N % NR;
-    for (int64_t j0 = 0; j0 < whole; j0 += NR) {
-        float *dst = packed + j0 * K;
-        for (int64_t k = 0; k < K; k++) widen_avx2(dt, B + k * ldb + j0, dst + k * NR, NR);
-    }
-    if (whole < N) pack_half_panel(dt, K, N - whole, B + whole, ldb, packed + whole * K);
-}
-
-#define AVX2_MR 6
-/* What an AVX2 tile prefetches as it runs (tile_avx2 chooses). */
-#define AVX2_PF_NONE 0
-#define AVX2_PF_NEXT_B 1    /* the next tile's B, B + psb, a line per step */
-#define AVX2_PF_NEXT_ROWS 2 /* the next row group's A rows (csa 1) into L2 */
-
-/* The AVX2 tile for ROWS rows of A: 2 x ROWS ymm accumulators.  Always
- * inlined with constant ROWS and PF (AVX2_PF_*), so each caller below is
- * its own fully unrolled tile. */
-__attribute__((target("avx2,fma,f16c"), always_inline))
-static inline void avx2_rows(int ROWS, int PF, int64_t K, const float *A, int64_t rsa,
-                             int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C,
-                             int64_t ldc, int mr, int nr, int accumulate, int ct) {
-    const float *a[AVX2_MR];
-    row_pointers(a, ROWS, A, rsa, mr);
-    __m256 c0[AVX2_MR], c1[AVX2_MR];
-#pragma GCC unroll 6
-    for (int i = 0; i < ROWS; i++) c0[i] = c1[i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m256 b0 = _mm256_loadu_ps(B + k * rsb), b1 = _mm256_loadu_ps(B + k * rsb + 8);
-        if (PF == AVX2_PF_NEXT_B) _mm_prefetch((const char *)(B + psb + k * rsb), _MM_HINT_T0);
-        /* a line of each row every 16 steps */
-        if (PF == AVX2_PF_NEXT_ROWS && (k & 15) == 0)
-#pragma GCC unroll 6
-            for (int i = 0; i < ROWS; i++)
-                _mm_prefetch((const char *)(a[i] + ROWS * rsa + k), _MM_HINT_T1);
-        int64_t o = k * csa;
-#pragma GCC unroll 6
-        for (int i = 0; i < ROWS; i++) {
-            __m256 s = _mm256_broadcast_ss(a[i] + o);
-            c0[i] = _mm256_fmadd_ps(s, b0, c0[i]);
-            c1[i] = _mm256_fmadd_ps(s, b1, c1[i]);
-        }
-    }
-    /* a float32 row of the tile is one whole 64-byte line when C and ldc
-     * are aligned */
-    uintptr_t rows = (uintptr_t)C | (uintptr_t)(ldc * (int64_t)sizeof(float));
-    if (mr == ROWS && nr == NR && accumulate == COMERA_GEMM_STREAM && rows % 64 == 0 &&
-        ct == COMERA_DT_F32) {
-        float *Cf = C;
-#pragma GCC unroll 6
-        for (int i = 0; i < ROWS; i++) {
-            _mm256_stream_ps(Cf + i * ldc, c0[i]);
-            _mm256_stream_ps(Cf + i * ldc + 8, c1[i]);
-        }
-        return;
-    }
-    if (mr == ROWS && nr == NR) {
-#pragma GCC unroll 6
-        for (int i = 0; i < ROWS; i++) {
-            avx2_put(c0[i], C, i * ldc, accumulate, ct);
-            avx2_put(c1[i], C, i * ldc + 8, accumulate, ct);
-        }
-        return;
-    }
-    if (ct == COMERA_DT_F32) {
-        /* a float32 tile's first mr rows and nr columns by masked stores
-         * (a rank of 30 makes every tile of x V and dy U^T 30 wide: going
-         * through a stack tile and a scalar copy cost 2-3% of the layer) */
-        __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
-        __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
-        float *Cf = C;
-#pragma GCC unroll 6
-        for (int i = 0; i < ROWS; i++) {
-            if (i >= mr) break;
-            float *ci = Cf + i * ldc;
-            if (accumulate == COMERA_GEMM_ADD) {
-                c0[i] = _mm256_add_ps(c0[i], _mm256_maskload_ps(ci, m0));
-                c1[i] = _mm256_add_ps(c1[i], _mm256_maskload_ps(ci + 8, m1));
-            }
-            _mm256_maskstore_ps(ci, m0, c0[i]);
-            _mm256_maskstore_ps(ci + 8, m1, c1[i]);
-        }
-        return;
-    }
-    float tile[AVX2_MR * NR];
-#pragma GCC unroll 6
-    for (int i = 0; i < ROWS; i++) {
-        _mm256_storeu_ps(tile + i * NR, c0[i]);
-        _mm256_storeu_ps(tile + i * NR + 8, c1[i]);
-    }
-    store_partial(tile, NR, mr, nr, C, ldc, accumulate, ct);
-}
-
-/* Up to 6 rows; the last rows of a product run on a 4- or 2-row form (the
- * weight-gradient products have M = rank or rank + 1 rows: 31 = 5 x 6 + 1,
- * whose last row would cost a whole 6-row tile). */
-__attribute__((target("avx2,fma,f16c"), always_inline))
-static inline void avx2_forms(int PF, int64_t K, const float *A, int64_t rsa, int64_t csa,
-                              const float *B, int64_t rsb, int64_t psb, void *C, int64_t ldc,
-                              int mr, int nr, int accumulate, int ct) {
-    if (mr > 4) avx2_rows(6, PF, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
-    else if (mr > 2) avx2_rows(4, PF, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
-    else avx2_rows(2, PF, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
-}
-
-/* The prefetch a tile does as it runs:
- *  - the next tile's B into L1: the next 16 columns of a B read in place
- *    (rows of x or dy a large stride apart, which the hardware prefetchers
- *    do not follow: the x-side weight gradient ran 12-16% faster), or the
- *    next panel when it is short enough to stay in L1 until used;
- *  - in a long packed product on row-major A (x V, dy U^T), the next row
- *    group's rows into L2: the first panel's tile read its rows from
- *    memory at about the core's whole read bandwidth and the second from
- *    L2; this spreads the read over both (dy U^T at 3072 -> 768 rank 30:
- *    28% faster). */
-__attribute__((target("avx2,fma,f16c")))
-static void tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
-                      const float *B, int64_t rsb, int64_t psb, void *C, int64_t ldc, int mr,
-                      int nr, int accumulate, int ct) {
-    if (psb == NR || K <= 128)
-        avx2_forms(AVX2_PF_NEXT_B, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
-    else if (mr == AVX2_MR && csa == 1)
-        avx2_rows(6, AVX2_PF_NEXT_ROWS, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate,
-                  ct);
-    else avx2_forms(AVX2_PF_NONE, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
-}
-
 /* 16 floats to 16 bfloat16 / float16 values, rounded to nearest even */
 __attribute__((target("avx512f"), always_inline))
 static inline __m256i avx512_narrow(__m512 v, int ct) {
@@ -326,7 +148,7 @@ static void pack_half_avx512(int dt, int64_t K, int64_t N, const uint16_t *B, in
         float *dst = packed + j0 * K;
         for (int64_t k = 0; k < K; k++) widen_avx512(dt, B + k * ldb + j0, dst + k * NR, NR);
     }
-    if (whole < N) pack_half_panel(dt, K, N - whole, B + whole, ldb, packed + whole * K);
+    if (whole < N) comera_pack_half_panel(dt, K, N - whole, B + whole, ldb, packed + whole * K);
 }
 
 #define AVX512_MR 12
@@ -394,7 +216,7 @@ static inline void avx512_store(int ROWS, int PANELS, __m512 *c0, __m512 *c1, vo
         _mm512_storeu_ps(tile + i * 2 * NR, c0[i]);
         if (PANELS == 2) _mm512_storeu_ps(tile + i * 2 * NR + NR, c1[i]);
     }
-    store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate, ct);
+    comera_store_partial(tile, 2 * NR, mr, nr, C, ldc, accumulate, ct);
 }
 
 /* The AVX-512 tile for ROWS rows of A and PANELS (1 or 2) packed panels:
@@ -405,7 +227,7 @@ static inline void avx512_rows(int ROWS, int PANELS, int64_t K, const float *A, 
                                int64_t csa, const float *B, int64_t rsb, int64_t psb, void *C,
                                int64_t ldc, int mr, int nr, int accumulate, int ct) {
     const float *a[AVX512_MR];
-    row_pointers(a, ROWS, A, rsa, mr);
+    comera_row_pointers(a, ROWS, A, rsa, mr);
     const float *B1 = B + psb;
     __m512 c0[AVX512_MR], c1[AVX512_MR];
 #pragma GCC unroll 12
@@ -535,8 +357,8 @@ static const comera_gemm_variant VARIANTS[] = {
 #ifdef COMERA_X86_VARIANTS
     {"avx512", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512,
      NULL},
-    {"avx2", "avx2", AVX2_MR, NR, tile_avx2, comera_dot_avx2_f32, widen_avx2, pack_half_avx2,
-     NULL},
+    {"avx2", "avx2", COMERA_AVX2_MR, NR, comera_tile_avx2, comera_dot_avx2_f32, comera_widen_avx2,
+     comera_pack_half_avx2, NULL},
 #endif
     {"generic", "generic", GENERIC_MR, NR, tile_generic, NULL, widen_generic, pack_half_generic,
      NULL},

@@ -67,6 +67,28 @@ typedef struct comera_gemm_variant {
     comera_pairs_gemm pairs;
 } comera_gemm_variant;
 
+/* Helpers of the tiles (common/gemm_isa.c). */
+void comera_store_partial(const float *tile, int width, int mr, int nr, void *C, int64_t ldc,
+                          int accumulate, int ct);
+void comera_pack_half_panel(int dt, int64_t K, int64_t nr, const uint16_t *src, int64_t ldb,
+                            float *dst);
+
+/* Rows beyond mr reuse the last valid row of A (every load stays in
+ * bounds); their results are computed and dropped. */
+static inline void comera_row_pointers(const float **a, int rows, const float *A, int64_t rsa,
+                                       int mr) {
+    for (int i = 0; i < rows; i++) a[i] = A + (i < mr ? i : mr - 1) * rsa;
+}
+
+/* The AVX2 variant (common/gemm_avx2.c). */
+#define COMERA_AVX2_MR 6
+void comera_tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa, const float *B,
+                      int64_t rsb, int64_t psb, void *C, int64_t ldc, int mr, int nr,
+                      int accumulate, int ct);
+void comera_widen_avx2(int dt, const uint16_t *src, float *dst, int64_t n);
+void comera_pack_half_avx2(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
+                           float *packed);
+
 /* The AVX2 dot-product kernel (common/gemm_dot.c). */
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
