@@ -187,15 +187,16 @@ class GraphedStepper:
             self.capacity = -(-int(need * HEADROOM) // ROUND) * ROUND
         key = (tuple(inputs.shape), self.capacity, self._shapes(),
                self.controller.capture_key() if self.controller is not None else None)
-        if key != self._key:
+        changed = key != self._key
+        if changed:
             self._drop_graph()
             self._buf = self._new_buffers(inputs.shape)
             self._gates_inside = (self.controller is not None
                                   and self.controller.kill_rounds() <= GRAPH_KILL_ROUNDS)
-        self._fill(inputs, labels, count)
+        self._fill(inputs, parts, count)
         if self.controller is not None:
             self.controller.step_begin()
-        if key != self._key or self.failed is not None:  # eagerly; capture at the next
+        if changed or self.failed is not None:  # eagerly; capture at the next
             self._key = key
             self._eager()
         elif self._graph is None and not self._capture():
@@ -264,11 +265,18 @@ class GraphedStepper:
         return {"captures": self.captures, "eager_steps": self.eager_steps, "failed": self.failed}
 
     # ------------------------------------------------------------ helpers
+    @contextlib.contextmanager
     def _side_stream(self):
+        """Runs the block on the side stream (on CUDA), then makes the
+        device's current stream wait for it."""
         if self._stream is None:
-            return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return _OnStream(self._stream, self.device)
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            yield
+        current.wait_stream(self._stream)
 
     def _drop_graph(self) -> None:
         if self._graph is not None:
@@ -286,9 +294,9 @@ class GraphedStepper:
                         count=torch.zeros((), dtype=torch.float32, **on),
                         loss=torch.zeros((), dtype=torch.float64, **on))
 
-    def _fill(self, inputs: torch.Tensor, labels: torch.Tensor, count: int) -> None:
-        index, targets = pack_masked(labels.reshape(self.grad_accum, -1, labels.shape[-1]),
-                                     self.capacity)
+    def _fill(self, inputs: torch.Tensor, parts: torch.Tensor, count: int) -> None:
+        """Copies the batch into the buffers (``parts``: the labels per micro-batch)."""
+        index, targets = pack_masked(parts, self.capacity)
         self._buf.inputs.copy_(inputs)
         self._buf.index.copy_(index)
         self._buf.targets.copy_(targets)
@@ -298,19 +306,3 @@ class GraphedStepper:
         """Drops the graph (and the gradients it owns)."""
         self._drop_graph()
 
-
-class _OnStream:
-    """Runs on ``stream``, then makes the device's current stream wait for it."""
-
-    def __init__(self, stream, device):
-        self.stream, self.device = stream, device
-        self._ctx = torch.cuda.stream(stream)
-
-    def __enter__(self):
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        return False
