@@ -36,9 +36,10 @@ Setup (the peers are benchmark-only dependencies, in the `bench` extra):
 or simply `make install`. Each script has a `--quick` mode (tiny sizes, seconds) that
 `benchmarks/tests/test_bench_smoke.py` and `benchmarks/tests/test_bench_protocol.py` run.
 
-The CPU results come from shared 2-core virtual machines (an AMD EPYC with AVX2, an Intel Xeon
-with AVX-512); each result names its machine and records the load average. The GPU script
-(`benchmarks/gpu_check.sh`) writes `gpu_*` results when it is run on a GPU machine.
+The CPU results come from shared 2-core virtual machines (an AMD EPYC with AVX2, an AMD EPYC
+with AVX-512, an Intel Xeon with AVX-512 and AMX); each result names its machine and records
+the load average. The GPU script (`benchmarks/gpu_check.sh`) writes `gpu_*` results when it is
+run on a GPU machine.
 
 ## How we measure
 
@@ -101,10 +102,13 @@ SECTIONS = [
      "(float32 and bfloat16)"),
     ("linear_cpu_xeon_avx2only", "TTLinear on the AMX Xeon with comera, MKL and torch limited "
      "to AVX2"),
+    ("linear_cpu_epyc_avx512", "TTLinear against nn.Linear and the merge path on an AVX-512 "
+     "EPYC (float32 and bfloat16)"),
     ("linear_cpu_glibc_hugetlb", "TTLinear with glibc's huge-page malloc"),
     ("bench_embedding", "TTEmbedding against nn.Embedding"),
     ("prune_cpu", "Pruning: time against FLOPs"),
     ("prune_cpu_xeon_amx", "Pruning on an AMX Xeon"),
+    ("prune_cpu_epyc_avx512", "Pruning on an AVX-512 EPYC"),
     ("heap_kept/prune_cpu", "Pruning with freed memory kept in the heap (glibc tunables, as "
      "jemalloc or tcmalloc would keep it)",
      "Not run yet: `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=2147483647:"

@@ -31,12 +31,31 @@ static inline int comera_threads_for_work(int nthreads, int64_t items, double fl
     return comera_threads_for_items(nt, items);
 }
 
-/* Inside a parallel region: this thread's contiguous chunk [*u0, *u1) of
- * `count` rows.  The team may be smaller than asked (a nested region runs
- * with one thread), so the chunks follow the team that actually runs; a
- * thread of an empty chunk leaves its accumulators at zero. */
-static inline void comera_thread_rows(int64_t count, int64_t *u0, int64_t *u1) {
-    int tid = omp_get_thread_num(), team = omp_get_num_threads();
+/* The body of a parallel region: fn(arg, tid, team) runs on every thread
+ * of the team, tid its number in the team (0 .. team - 1).  A body shares
+ * its work by tid and team (comera_team_rows), never by OpenMP worksharing
+ * or thread numbers: run straight from a thread of an enclosing region, an
+ * `omp for` would bind to that region's team. */
+typedef void (*comera_team_fn)(void *arg, int tid, int team);
+
+/* fn on a team of nt threads, or straight on the calling thread (tid 0 of
+ * a team of 1) when nt is 1: entering an OpenMP region costs two futex
+ * system calls even for a team of one (a one-row TTLinear forward and
+ * backward made four). */
+static inline void comera_run_team(int nt, comera_team_fn fn, void *arg) {
+    if (nt <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(nt)
+    fn(arg, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* Thread tid's contiguous chunk [*u0, *u1) of `count` items in a team of
+ * `team` (the team granted may be smaller than asked: a nested region runs
+ * with one thread); a thread of an empty chunk leaves its sums at zero. */
+static inline void comera_team_rows(int64_t count, int tid, int team, int64_t *u0,
+                                    int64_t *u1) {
     *u0 = count * tid / team;
     *u1 = count * (tid + 1) / team;
 }

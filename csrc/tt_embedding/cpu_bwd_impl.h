@@ -222,6 +222,49 @@ static void emb_bwd_rows(emb_ctx *c, const emb_bwd_in *in, const emb_group *grp,
     c->acc1 = NULL;
 }
 
+
+/* The rows of a backward call, shared among a team (comera_run_team):
+ * thread 0 adds into dcores, thread t > 0 into its own block of priv. */
+typedef struct emb_bwd_job {
+    const emb_shape *s;
+    const emb_rows *rows;
+    REAL *ws;
+    int64_t per;
+    const REAL *eff, *pf, *pb, *last;
+    REAL *const *dcores;
+    REAL *priv;
+    emb_bwd_in in;
+    int grouped, rc;
+} emb_bwd_job;
+
+static void emb_bwd_team(void *arg, int tid, int team) {
+    emb_bwd_job *j = arg;
+    const emb_shape *s = j->s;
+    int d = s->d;
+    int64_t nc = s->core_off[d], u0, u1;
+    comera_team_rows(j->rows->count, tid, team, &u0, &u1);
+    emb_ctx ctx;
+    REAL *g = emb_thread_ctx(&ctx, s, 1, j->ws, tid, j->per, j->eff, j->pf, j->pb, j->last);
+    for (int k = 0; k < d; k++)
+        ctx.deff[k] = tid == 0 ? j->dcores[k] : j->priv + nc * (tid - 1) + s->core_off[k];
+    if (!j->grouped) {
+        emb_bwd_rows(&ctx, &j->in, NULL, g, u0, u1);
+        return;
+    }
+    emb_group grp;
+    if (emb_group_init(&grp, s)) {
+#pragma omp atomic write
+        j->rc = COMERA_ERR_NOMEM;
+        return;
+    }
+    for (int64_t w0 = u0, w1; w0 < u1; w0 = w1) {
+        w1 = emb_group_window(&grp, s, j->rows, j->in.share, w0, u1);
+        emb_bwd_rows(&ctx, &j->in, &grp, g, w0, w1);
+        emb_group_run(&grp, &ctx);
+    }
+    emb_group_free(&grp);
+}
+
 static int emb_bwd(const emb_shape *s, const comera_tt_embedding_batch *b,
                    const REAL *psw, int reuse, const REAL *grad_out,
                    const REAL *const *cores, const REAL *const *gates,
@@ -266,33 +309,12 @@ static int emb_bwd(const emb_shape *s, const comera_tt_embedding_batch *b,
     rc = emb_pack(s, cores, gates, slice_used, pf, pb, nthreads);
     if (rc) goto done;
     if (bag) emb_bag_scales(s, b, psw, bag_of, scale);
-#pragma omp parallel num_threads(nt)
-    {
-        int tid = omp_get_thread_num();
-        int64_t u0, u1;
-        comera_thread_rows(rows.count, &u0, &u1);
-        emb_ctx ctx;
-        REAL *g = emb_thread_ctx(&ctx, s, 1, ws, per, eff, pf, pb, cores[d - 1]);
-        for (int k = 0; k < d; k++)
-            ctx.deff[k] = tid == 0 ? dcores[k] : priv + nc * (tid - 1) + s->core_off[k];
-        emb_bwd_in in = {&rows, grad_out, bag_of, scale, share, direct, bag, dim, dp};
-        if (!grouped) {
-            emb_bwd_rows(&ctx, &in, NULL, g, u0, u1);
-        } else {
-            emb_group grp;
-            if (emb_group_init(&grp, s)) {
-#pragma omp atomic write
-                rc = COMERA_ERR_NOMEM;
-            } else {
-                for (int64_t w0 = u0, w1; w0 < u1; w0 = w1) {
-                    w1 = emb_group_window(&grp, s, &rows, share, w0, u1);
-                    emb_bwd_rows(&ctx, &in, &grp, g, w0, w1);
-                    emb_group_run(&grp, &ctx);
-                }
-                emb_group_free(&grp);
-            }
-        }
-    }
+    emb_bwd_job job = {.s = s, .rows = &rows, .ws = ws, .per = per, .eff = eff, .pf = pf,
+                       .pb = pb, .last = cores[d - 1], .dcores = dcores, .priv = priv,
+                       .in = {&rows, grad_out, bag_of, scale, share, direct, bag, dim, dp},
+                       .grouped = grouped, .rc = COMERA_OK};
+    comera_run_team(nt, emb_bwd_team, &job);
+    rc = job.rc;
     for (int th = 1; th < nt; th++) /* fixed order: reproducible sums */
         for (int k = 0; k < d; k++) {
             const REAL *src = priv + nc * (th - 1) + s->core_off[k];

@@ -75,44 +75,60 @@ static void emb_finish_grads(const emb_shape *s, const REAL *const *cores,
  * forward B operand (r[k] x e[k] r[k+1]), pb (if not NULL) transposed for
  * the backward.  Returns COMERA_ERR_NOMEM if a scratch slice cannot be
  * allocated. */
+/* The used slices of one core, gated and packed, shared among a team. */
+typedef struct emb_pack_job {
+    const emb_shape *s;
+    int k;
+    const unsigned char *use; /* slices to pack (NULL: all) */
+    const REAL *core, *g;     /* g: the core's gate, NULL for the last core */
+    REAL *pf, *pb;            /* pb: backward only */
+    int rc;
+} emb_pack_job;
+
+static void emb_pack_slices(void *arg, int tid, int team) {
+    emb_pack_job *j = arg;
+    const emb_shape *s = j->s;
+    int k = j->k;
+    int64_t K = s->r[k], rr = s->r[k + 1], N = s->e[k] * rr, rs = s->v[k] * N;
+    REAL *slice = malloc(sizeof(REAL) * (size_t)(K * N));
+    if (!slice) {
+#pragma omp atomic write
+        j->rc = COMERA_ERR_NOMEM;
+    }
+    int64_t i0, i1;
+    comera_team_rows(s->v[k], tid, team, &i0, &i1);
+    for (int64_t i = i0; i < i1; i++) {
+        if (!slice || (j->use && !j->use[i])) continue;
+        for (int64_t a = 0; a < K; a++) {
+            const REAL *src = j->core + a * rs + i * N;
+            REAL *dst = slice + a * N;
+            if (!j->g) {
+                memcpy(dst, src, sizeof(REAL) * (size_t)N);
+                continue;
+            }
+            for (int64_t n0 = 0; n0 < N; n0 += rr)
+                for (int64_t c = 0; c < rr; c++) dst[n0 + c] = src[n0 + c] * j->g[c];
+        }
+        gemm_pack_b(K, N, slice, N, 1, j->pf + s->pf_off[k] + i * s->pf_size[k]);
+        if (j->pb)
+            gemm_pack_b(N, K, slice, 1, N, j->pb + s->pb_off[k] + i * s->pb_size[k]);
+    }
+    free(slice);
+}
+
 static int emb_pack(const emb_shape *s, const REAL *const *cores, const REAL *const *gates,
                     const unsigned char *used, REAL *pf, REAL *pb, int nthreads) {
-    int rc = COMERA_OK;
     int64_t used_off = s->v[0];
     for (int k = 1; k < s->d; used_off += s->v[k], k++) {
-        const unsigned char *use = used ? used + used_off : NULL;
-        int64_t K = s->r[k], rr = s->r[k + 1], N = s->e[k] * rr, rs = s->v[k] * N;
-        const REAL *core = cores[k], *g = k < s->d - 1 ? gates[k] : NULL;
+        emb_pack_job job = {.s = s, .k = k, .use = used ? used + used_off : NULL,
+                            .core = cores[k], .g = k < s->d - 1 ? gates[k] : NULL,
+                            .pf = pf, .pb = pb, .rc = COMERA_OK};
         double flops = (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0));
-        int nt = comera_threads_for_work(nthreads, s->v[k], flops);
-#pragma omp parallel num_threads(nt)
-        {
-            REAL *slice = malloc(sizeof(REAL) * (size_t)(K * N));
-            if (!slice) {
-#pragma omp atomic write
-                rc = COMERA_ERR_NOMEM;
-            }
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < s->v[k]; i++) {
-                if (!slice || (use && !use[i])) continue;
-                for (int64_t a = 0; a < K; a++) {
-                    const REAL *src = core + a * rs + i * N;
-                    REAL *dst = slice + a * N;
-                    if (!g) {
-                        memcpy(dst, src, sizeof(REAL) * (size_t)N);
-                        continue;
-                    }
-                    for (int64_t n0 = 0; n0 < N; n0 += rr)
-                        for (int64_t j = 0; j < rr; j++) dst[n0 + j] = src[n0 + j] * g[j];
-                }
-                gemm_pack_b(K, N, slice, N, 1, pf + s->pf_off[k] + i * s->pf_size[k]);
-                if (pb)
-                    gemm_pack_b(N, K, slice, 1, N, pb + s->pb_off[k] + i * s->pb_size[k]);
-            }
-            free(slice);
-        }
+        comera_run_team(comera_threads_for_work(nthreads, s->v[k], flops), emb_pack_slices,
+                        &job);
+        if (job.rc) return job.rc;
     }
-    return rc;
+    return COMERA_OK;
 }
 
 /* What one thread's per-row work reads and writes. */
@@ -160,9 +176,10 @@ static int64_t emb_ctx_init(emb_ctx *c, const emb_shape *s, REAL *ws, int backwa
  * carved by emb_ctx_init, and the inputs all threads share: gated core 0,
  * the packed slices (pb: backward only) and the last core.  Returns the
  * rest of its elements: its row buffer. */
-static REAL *emb_thread_ctx(emb_ctx *c, const emb_shape *s, int backward, REAL *ws, int64_t per,
+static REAL *emb_thread_ctx(emb_ctx *c, const emb_shape *s, int backward, REAL *ws, int tid,
+                            int64_t per,
                             const REAL *eff, const REAL *pf, const REAL *pb, const REAL *last) {
-    REAL *mine = ws + per * omp_get_thread_num();
+    REAL *mine = ws + per * tid;
     REAL *row = mine + emb_ctx_init(c, s, mine, backward);
     c->eff = eff;
     c->pf = pf;
@@ -251,6 +268,83 @@ static void emb_flush(emb_ctx *c, const int64_t *idx, int k) {
     memset(X, 0, sizeof(REAL) * (size_t)n);
 }
 
+/* The rows of a forward call, shared among a team (comera_run_team). */
+typedef struct emb_fwd_job {
+    const emb_shape *s;
+    const emb_rows *rows;
+    REAL *ws;                     /* per elements per thread */
+    int64_t per;
+    const REAL *eff, *pf, *last;  /* gated core 0, packed slices, the last core */
+    REAL *out, *rowbuf;           /* rowbuf: bag modes, one row per distinct index */
+    int share, bag, inplace, copy_mode;
+} emb_fwd_job;
+
+static void emb_fwd_rows(void *arg, int tid, int team) {
+    const emb_fwd_job *j = arg;
+    const emb_shape *s = j->s;
+    const emb_rows *rows = j->rows;
+    int d = s->d, bag = j->bag, inplace = j->inplace, copy_mode = j->copy_mode;
+    int64_t dim = s->dim, dp = s->dim_pad;
+    REAL *out = j->out;
+    int64_t u0, u1;
+    comera_team_rows(rows->count, tid, team, &u0, &u1);
+    emb_ctx ctx;
+    REAL *scratch = emb_thread_ctx(&ctx, s, 0, j->ws, tid, j->per, j->eff, j->pf, NULL, j->last);
+    int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
+    for (int64_t u = u0; u < u1; u++) {
+        emb_unravel(s, rows->keys[u], idx);
+        int l = j->share && u > u0 ? emb_first_diff(d, idx, prev) : 0;
+        if (l > d - 1) l = d - 1;
+        /* rows of one prefix (sorted, same thread) share R_{d-2}: the
+         * transposed last level packs it once for them all */
+        ctx.same_prefix = l == d - 1;
+        const int64_t *ps = rows->pos + rows->start[u], *pe = rows->pos + rows->start[u + 1];
+        REAL *dst = bag ? j->rowbuf + u * dp : inplace ? out + ps[0] * dim : scratch;
+        /* output rows are written in no order: fetch the next ones */
+        if (!bag && (inplace || copy_mode != COMERA_GEMM_STREAM) && u + 1 < u1)
+            prefetch_row(out + rows->pos[rows->start[u + 1]] * dim, dim, 1);
+        emb_chain(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
+        if (!bag)
+            for (const int64_t *p = ps + inplace; p < pe; p++) {
+                if (p + 1 < pe && copy_mode != COMERA_GEMM_STREAM)
+                    prefetch_row(out + p[1] * dim, dim, 1);
+                gemm_copy(out + *p * dim, dst, dim, copy_mode);
+            }
+        memcpy(prev, idx, sizeof idx);
+    }
+    if (copy_mode == COMERA_GEMM_STREAM) comera_gemm_store_fence();
+}
+
+/* The bags of a bag-mode forward from the distinct rows, shared among a team. */
+typedef struct emb_bag_job {
+    const comera_tt_embedding_batch *b;
+    const REAL *psw, *rowbuf;
+    const int64_t *uid; /* per index position: its distinct row, -1 for padding */
+    REAL *out;
+    int64_t dim, dp;
+} emb_bag_job;
+
+static void emb_bag_sums(void *arg, int tid, int team) {
+    const emb_bag_job *j = arg;
+    const comera_tt_embedding_batch *b = j->b;
+    int64_t dim = j->dim, g0, g1;
+    comera_team_rows(b->num_bags, tid, team, &g0, &g1);
+    for (int64_t g = g0; g < g1; g++) {
+        REAL *o = j->out + g * dim;
+        int64_t cnt = 0;
+        memset(o, 0, sizeof(REAL) * (size_t)dim);
+        for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++) {
+            if (j->uid[p] < 0) continue;
+            const REAL *row = j->rowbuf + j->uid[p] * j->dp;
+            REAL w = j->psw ? j->psw[p] : (REAL)1;
+            for (int64_t c = 0; c < dim; c++) o[c] += w * row[c];
+            cnt++;
+        }
+        if (b->mode == COMERA_EMB_MEAN && cnt > 1)
+            for (int64_t c = 0; c < dim; c++) o[c] /= (REAL)cnt;
+    }
+}
+
 static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
                    const REAL *psw, int reuse, const REAL *const *cores,
                    const REAL *const *gates, REAL *out, int nthreads) {
@@ -291,57 +385,19 @@ static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
     if (!bag && s->padding_idx >= 0)
         for (int64_t p = 0; p < b->n; p++)
             if (b->indices[p] == s->padding_idx) memset(out + p * dim, 0, sizeof(REAL) * (size_t)dim);
-#pragma omp parallel num_threads(nt)
-    {
-        int64_t u0, u1;
-        comera_thread_rows(rows.count, &u0, &u1);
-        emb_ctx ctx;
-        REAL *scratch = emb_thread_ctx(&ctx, s, 0, ws, per, eff, pf, NULL, cores[d - 1]);
-        int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
-        for (int64_t u = u0; u < u1; u++) {
-            emb_unravel(s, rows.keys[u], idx);
-            int l = share && u > u0 ? emb_first_diff(d, idx, prev) : 0;
-            if (l > d - 1) l = d - 1;
-            /* rows of one prefix (sorted, same thread) share R_{d-2}: the
-             * transposed last level packs it once for them all */
-            ctx.same_prefix = l == d - 1;
-            const int64_t *ps = rows.pos + rows.start[u], *pe = rows.pos + rows.start[u + 1];
-            REAL *dst = bag ? rowbuf + u * dp : inplace ? out + ps[0] * dim : scratch;
-            /* output rows are written in no order: fetch the next ones */
-            if (!bag && (inplace || copy_mode != COMERA_GEMM_STREAM) && u + 1 < u1)
-                prefetch_row(out + rows.pos[rows.start[u + 1]] * dim, dim, 1);
-            emb_chain(&ctx, idx, l < 1 ? 1 : l, d - 1, dst);
-            if (!bag)
-                for (const int64_t *p = ps + inplace; p < pe; p++) {
-                    if (p + 1 < pe && copy_mode != COMERA_GEMM_STREAM)
-                        prefetch_row(out + p[1] * dim, dim, 1);
-                    gemm_copy(out + *p * dim, dst, dim, copy_mode);
-                }
-            memcpy(prev, idx, sizeof idx);
-        }
-        if (copy_mode == COMERA_GEMM_STREAM) comera_gemm_store_fence();
-    }
+    emb_fwd_job job = {.s = s, .rows = &rows, .ws = ws, .per = per, .eff = eff, .pf = pf,
+                       .last = cores[d - 1], .out = out, .rowbuf = rowbuf, .share = share,
+                       .bag = bag, .inplace = inplace, .copy_mode = copy_mode};
+    comera_run_team(nt, emb_fwd_rows, &job);
     if (bag) {
         for (int64_t p = 0; p < used; p++) uid[p] = -1;
         for (int64_t u = 0; u < rows.count; u++)
             for (int64_t j = rows.start[u]; j < rows.start[u + 1]; j++) uid[rows.pos[j]] = u;
         double per_bag = 2.0 * (double)dim * (double)(b->n / (b->num_bags > 0 ? b->num_bags : 1) + 1);
         int ntb = comera_threads_for_work(nthreads, b->num_bags, per_bag);
-#pragma omp parallel for num_threads(ntb) schedule(static)
-        for (int64_t g = 0; g < b->num_bags; g++) {
-            REAL *o = out + g * dim;
-            int64_t cnt = 0;
-            memset(o, 0, sizeof(REAL) * (size_t)dim);
-            for (int64_t p = b->offsets[g]; p < b->offsets[g + 1]; p++) {
-                if (uid[p] < 0) continue;
-                const REAL *row = rowbuf + uid[p] * dp;
-                REAL w = psw ? psw[p] : (REAL)1;
-                for (int64_t j = 0; j < dim; j++) o[j] += w * row[j];
-                cnt++;
-            }
-            if (b->mode == COMERA_EMB_MEAN && cnt > 1)
-                for (int64_t j = 0; j < dim; j++) o[j] /= (REAL)cnt;
-        }
+        emb_bag_job bj = {.b = b, .psw = psw, .rowbuf = rowbuf, .uid = uid, .out = out,
+                          .dim = dim, .dp = dp};
+        comera_run_team(ntb, emb_bag_sums, &bj);
     }
 done:
     if (pf) comera_ws_release(pf, cached);

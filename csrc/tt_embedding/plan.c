@@ -178,8 +178,29 @@ int comera_tt_embedding_check_batch(const comera_tt_embedding_prep *p,
 #define RADIX_BITS 11
 #define RADIX (1 << RADIX_BITS)
 
+/* Below this many indices an insertion sort beats the radix passes, whose
+ * bucket counts alone are 2048 entries a pass. */
+#define SMALL_SORT 64
+
+/* keys ascending, pos carried along; stable (equal keys keep their order). */
+static void insertion_sort(int64_t n, int64_t *keys, int64_t *pos) {
+    for (int64_t i = 1; i < n; i++) {
+        int64_t k = keys[i], p = pos[i], j = i;
+        for (; j > 0 && keys[j - 1] > k; j--) {
+            keys[j] = keys[j - 1];
+            pos[j] = pos[j - 1];
+        }
+        keys[j] = k;
+        pos[j] = p;
+    }
+}
+
 static int radix_sort(int64_t n, int64_t max_key, int64_t *keys, int64_t *pos) {
     if (n < 2) return COMERA_OK;
+    if (n <= SMALL_SORT) {
+        insertion_sort(n, keys, pos);
+        return COMERA_OK;
+    }
     int64_t *tk = malloc(sizeof(int64_t) * (size_t)n);
     int64_t *tp = malloc(sizeof(int64_t) * (size_t)n);
     int64_t *count = malloc(sizeof(int64_t) * RADIX);

@@ -320,6 +320,35 @@ static int seq_row_fwd(const tt_shape *s, const REAL *xr, const REAL *eff, REAL 
     return COMERA_OK;
 }
 
+/* The rows of a sequential call, shared among a team (comera_run_team). */
+typedef struct seq_job {
+    const tt_shape *s;
+    int64_t batch, per;    /* rows; workspace elements per thread */
+    const REAL *x, *dy, *eff, *bias;
+    REAL *ws, *y, *t, *dx; /* y, t: forward; dx (or NULL): backward */
+    int rc;
+} seq_job;
+
+static void fwd_seq_rows(void *arg, int tid, int team) {
+    seq_job *j = arg;
+    const tt_shape *s = j->s;
+    REAL *st = j->ws + j->per * tid;
+    int q = s->D - s->p;
+    int64_t b0, b1;
+    comera_team_rows(j->batch, tid, team, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) {
+        if (seq_row_fwd(s, j->x + b * s->in, j->eff, st)) {
+#pragma omp atomic write
+            j->rc = COMERA_ERR_NOMEM;
+            continue;
+        }
+        memcpy(j->t + b * s->rmid, st + s->Z_off[s->p], sizeof(REAL) * (size_t)s->rmid);
+        const REAL *yq = st + s->Y_off[q];
+        REAL *yr = j->y + b * s->out;
+        for (int64_t c = 0; c < s->out; c++) yr[c] = yq[c] + (j->bias ? j->bias[c] : 0);
+    }
+}
+
 static int fwd_seq(const tt_shape *s, int64_t batch, const REAL *x,
                    const REAL *const *cores, const REAL *const *gates,
                    const REAL *bias, REAL *y, REAL *t, int nthreads) {
@@ -332,28 +361,58 @@ static int fwd_seq(const tt_shape *s, int64_t batch, const REAL *x,
     REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)carve(NULL, 2, n, part), &cached);
     if (!block) return COMERA_ERR_NOMEM;
     carve(block, 2, n, part);
-    REAL *eff = part[0], *ws = part[1];
-    int rc = COMERA_OK;
-    make_eff(s, cores, gates, eff);
-    int q = s->D - s->p;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        REAL *st = ws + s->seq_total * omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++) {
-            if (seq_row_fwd(s, x + b * s->in, eff, st)) {
-#pragma omp atomic write
-                rc = COMERA_ERR_NOMEM;
-                continue;
-            }
-            memcpy(t + b * s->rmid, st + s->Z_off[s->p], sizeof(REAL) * (size_t)s->rmid);
-            const REAL *yq = st + s->Y_off[q];
-            REAL *yr = y + b * s->out;
-            for (int64_t j = 0; j < s->out; j++) yr[j] = yq[j] + (bias ? bias[j] : 0);
-        }
-    }
+    make_eff(s, cores, gates, part[0]);
+    seq_job job = {.s = s, .batch = batch, .per = s->seq_total, .x = x, .eff = part[0],
+                   .bias = bias, .ws = part[1], .y = y, .t = t, .rc = COMERA_OK};
+    comera_run_team(nt, fwd_seq_rows, &job);
     comera_ws_release(block, cached);
-    return rc;
+    return job.rc;
+}
+
+/* One row of the sequential backward on one thread's states st: the
+ * gradients of its scaled cores and bias are added into de and db, dx's
+ * row written (when dx is not NULL). */
+static int seq_row_bwd(const tt_shape *s, const REAL *xr, const REAL *dyr, const REAL *eff,
+                       REAL *st, REAL *dxr) {
+    REAL *ga = st + s->seq_total, *gb = ga + s->seq_state_max;
+    REAL *de = gb + s->seq_state_max, *db = de + s->core_off[s->D];
+    int err = seq_row_fwd(s, xr, eff, st);
+    int q = s->D - s->p;
+    for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
+    for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
+    for (int l = q; l >= 1 && !err; l--) {
+        int c = s->p + l - 1;
+        int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
+        err |= gemm(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
+                    ga, N, 1, de + s->core_off[c], N, 1);
+        err |= gemm(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
+                    gb, s->r[c], 0);
+        REAL *tmp = ga; ga = gb; gb = tmp;
+    }
+    for (int k = s->p - 1; k >= 0 && !err; k--) {
+        int64_t Rn = s->R[k + 1], rows = s->r[k] * s->dims[k];
+        err |= gemm(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
+                    ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
+        err |= gemm(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
+                    ga, Rn, 1, gb, Rn, 0);
+        REAL *tmp = ga; ga = gb; gb = tmp;
+    }
+    if (!err && dxr) memcpy(dxr, ga, sizeof(REAL) * (size_t)s->in);
+    return err;
+}
+
+static void bwd_seq_rows(void *arg, int tid, int team) {
+    seq_job *j = arg;
+    const tt_shape *s = j->s;
+    REAL *st = j->ws + j->per * tid;
+    int64_t b0, b1;
+    comera_team_rows(j->batch, tid, team, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++)
+        if (seq_row_bwd(s, j->x + b * s->in, j->dy + b * s->out, j->eff, st,
+                        j->dx ? j->dx + b * s->in : NULL)) {
+#pragma omp atomic write
+            j->rc = COMERA_ERR_NOMEM;
+        }
 }
 
 static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
@@ -373,46 +432,11 @@ static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
     carve(block, 3, n, part);
     REAL *eff = part[0], *ws = part[1], *dsum = part[2];
     memset(ws, 0, sizeof(REAL) * (size_t)(per * nt));
-    int rc = COMERA_OK;
     make_eff(s, cores, gates, eff);
-    int q = s->D - s->p;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        REAL *st = ws + per * omp_get_thread_num();
-        REAL *ga = st + s->seq_total, *gb = ga + s->seq_state_max;
-        REAL *de = gb + s->seq_state_max, *db = de + nc;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < batch; b++) {
-            int err = seq_row_fwd(s, x + b * s->in, eff, st);
-            const REAL *dyr = dy + b * s->out;
-            for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
-            for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
-            for (int l = q; l >= 1 && !err; l--) {
-                int c = s->p + l - 1;
-                int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
-                err |= gemm(s->r[c], N, Mp, st + s->Y_off[l - 1], 1, s->r[c],
-                            ga, N, 1, de + s->core_off[c], N, 1);
-                err |= gemm(Mp, s->r[c], N, ga, N, 1, eff + s->core_off[c], 1, N,
-                            gb, s->r[c], 0);
-                REAL *tmp = ga; ga = gb; gb = tmp;
-            }
-            for (int k = s->p - 1; k >= 0 && !err; k--) {
-                int64_t Rn = s->R[k + 1], rows = s->r[k] * s->dims[k];
-                err |= gemm(rows, s->r[k + 1], Rn, st + s->Z_off[k], Rn, 1,
-                            ga, 1, Rn, de + s->core_off[k], s->r[k + 1], 1);
-                err |= gemm(rows, Rn, s->r[k + 1], eff + s->core_off[k], s->r[k + 1], 1,
-                            ga, Rn, 1, gb, Rn, 0);
-                REAL *tmp = ga; ga = gb; gb = tmp;
-            }
-            if (err) {
-#pragma omp atomic write
-                rc = COMERA_ERR_NOMEM;
-                continue;
-            }
-            if (dx) memcpy(dx + b * s->in, ga, sizeof(REAL) * (size_t)s->in);
-        }
-    }
-    if (!rc) {
+    seq_job job = {.s = s, .batch = batch, .per = per, .x = x, .dy = dy, .eff = eff,
+                   .ws = ws, .dx = dx, .rc = COMERA_OK};
+    comera_run_team(nt, bwd_seq_rows, &job);
+    if (!job.rc) {
         memset(dsum, 0, sizeof(REAL) * (size_t)(nc + s->out));
         for (int th = 0; th < nt; th++) {
             const REAL *de = ws + per * th + s->seq_total + 2 * s->seq_state_max;
@@ -422,7 +446,7 @@ static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
         eff_grads(s, cores, gates, dsum, dcores, dgates);
     }
     comera_ws_release(block, cached);
-    return rc;
+    return job.rc;
 }
 
 /* The entry points behind the public wrappers in cpu_f32.c and cpu_f64.c. */

@@ -234,6 +234,16 @@ void test_gemm(void) {
             }
     group_end();
 
+    /* small products whose loop runs down the columns of A, with more rows
+     * than one block of that loop (256), the last block partial */
+    group_begin("gemm small products in several row blocks");
+    static const int64_t TALL[][3] = {{300, 2, 5}, {513, 1, 7}, {257, 3, 4}, {600, 6, 1}};
+    for (int s = 0; s < 4; s++)
+        for (int l = 0; l < 9; l++)
+            for (int acc = 0; acc < 2; acc++)
+                gemm_case(&g, TALL[s][0], TALL[s][1], TALL[s][2], l / 3, l % 3, acc);
+    group_end();
+
     /* B larger than the block the driver keeps in L2 (160 KB): several
      * column blocks, the last one partial and not a whole tile wide */
     group_begin("gemm packed B in several column blocks");
