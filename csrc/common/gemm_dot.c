@@ -10,6 +10,8 @@
  * once at the end.  A tile is 3 rows of A by up to 4 rows of Bt: 12
  * accumulators, 7 loads per 12 multiply-adds (2 x 5 tiles, 7 loads per
  * 10, ran at 21-28 GFLOP/s where 3 x 4 ran at 26-33, same machine).
+ * The same tiles on 16-float vectors serve the avx512bf16 variant (an AMD
+ * CPU; common/gemm_isa.c), one loop nest (dot_drive) for both.
  */
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
@@ -117,13 +119,20 @@ static void dot_avx2_rows(int rows, int cols, int64_t K, const float *A, int64_t
     }
 }
 
+/* One tile of ROWS x COLS outputs (dot_*_rows): the ISA's own, called
+ * through this type by the loops of dot_drive. */
+typedef void (*dot_rows_fn)(int rows, int cols, int64_t K, const float *A, int64_t lda,
+                            const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
+                            int64_t panel, int next);
+
 /* Row triples outside, column groups inside: three A rows are read from
  * memory once and from cache for their other column groups.  Groups of at
  * most 4 columns, as even as possible (10 = 4 + 3 + 3 rather than
  * 4 + 4 + 2, whose 2-wide tile has too few independent sums to hide the
  * multiply-add latency).  The first group packs A when asked. */
-void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                         const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
+static void dot_drive(dot_rows_fn rows_fn, int64_t M, int64_t N, int64_t K, const float *A,
+                      int64_t lda, const float *Bt, int64_t ldb, float *C, int64_t ldc,
+                      float *Apack) {
     int64_t groups = (N + 3) / 4, base = N / groups, extra = N % groups;
     int fuse = Apack && K % 16 == 0;
     for (int64_t i = 0; i < M; i += 3) {
@@ -138,12 +147,94 @@ void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_
              * rank 8, K = 768: 17-25% faster; at K = 3072 4% slower, where
              * the hardware streams of the long rows were doing well) */
             int next = g > 0 && rows == 3 && K <= 1024;
-            dot_avx2_rows(rows, cols, K, A + i * lda, lda, Bt + j * ldb, ldb,
-                          C + i * ldc + j, ldc, ap, 16 * M, next);
+            rows_fn(rows, cols, K, A + i * lda, lda, Bt + j * ldb, ldb, C + i * ldc + j, ldc, ap,
+                    16 * M, next);
             j += cols;
         }
     }
     if (Apack && !fuse) comera_gemm_pack_b_f32(M, K, A, lda, 1, Apack);
+}
+
+void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                         const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
+    dot_drive(dot_avx2_rows, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
+}
+
+/* The same tiles on 16-float vectors: the K % 16 tail with a masked load,
+ * A stored into its 16-column panels whole (K a multiple of 16). */
+__attribute__((target("avx512f"), always_inline))
+static inline void dot_avx512_tile(int ROWS, int COLS, int64_t K, const float *A, int64_t lda,
+                                   const float *Bt, int64_t ldb, float *C, int64_t ldc,
+                                   float *Ap, int64_t panel, int next) {
+    __m512 acc[3][4];
+#pragma GCC unroll 3
+    for (int i = 0; i < ROWS; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_setzero_ps();
+    const float *a1 = A + (ROWS >= 2 ? lda : 0), *a2 = A + (ROWS == 3 ? 2 * lda : 0);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (next) /* the next row triple into L2 (dot_avx2_tile) */
+#pragma GCC unroll 3
+            for (int i = 0; i < 3; i++)
+                _mm_prefetch((const char *)(A + (3 + i) * lda + k), _MM_HINT_T1);
+        __m512 x0 = _mm512_loadu_ps(A + k), x1 = _mm512_loadu_ps(a1 + k);
+        __m512 x2 = _mm512_loadu_ps(a2 + k);
+        if (Ap) {
+            float *p = Ap + (k >> 4) * panel;
+            _mm512_storeu_ps(p, x0);
+            if (ROWS >= 2) _mm512_storeu_ps(p + 16, x1);
+            if (ROWS == 3) _mm512_storeu_ps(p + 32, x2);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) {
+            __m512 b = _mm512_loadu_ps(Bt + j * ldb + k);
+            acc[0][j] = _mm512_fmadd_ps(x0, b, acc[0][j]);
+            if (ROWS >= 2) acc[1][j] = _mm512_fmadd_ps(x1, b, acc[1][j]);
+            if (ROWS == 3) acc[2][j] = _mm512_fmadd_ps(x2, b, acc[2][j]);
+        }
+    }
+    if (k < K) {
+        __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 x0 = _mm512_maskz_loadu_ps(m, A + k), x1 = _mm512_maskz_loadu_ps(m, a1 + k);
+        __m512 x2 = _mm512_maskz_loadu_ps(m, a2 + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) {
+            __m512 b = _mm512_maskz_loadu_ps(m, Bt + j * ldb + k);
+            acc[0][j] = _mm512_fmadd_ps(x0, b, acc[0][j]);
+            if (ROWS >= 2) acc[1][j] = _mm512_fmadd_ps(x1, b, acc[1][j]);
+            if (ROWS == 3) acc[2][j] = _mm512_fmadd_ps(x2, b, acc[2][j]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int i = 0; i < ROWS; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; j++) C[i * ldc + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+__attribute__((target("avx512f")))
+static void dot_avx512_rows(int rows, int cols, int64_t K, const float *A, int64_t lda,
+                            const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
+                            int64_t panel, int next) {
+    switch (rows * 8 + cols) {
+    case 3 * 8 + 4: dot_avx512_tile(3, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 3: dot_avx512_tile(3, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 2: dot_avx512_tile(3, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 1: dot_avx512_tile(3, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 4: dot_avx512_tile(2, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 3: dot_avx512_tile(2, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 2: dot_avx512_tile(2, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 1: dot_avx512_tile(2, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 4: dot_avx512_tile(1, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 3: dot_avx512_tile(1, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 2: dot_avx512_tile(1, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    default: dot_avx512_tile(1, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    }
+}
+
+void comera_dot_avx512_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                           const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
+    dot_drive(dot_avx512_rows, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
 }
 #endif
 
@@ -153,7 +244,8 @@ void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_
  * 40 1.1x, 52 1.1x; N = 14, 30 and 44 even, N = 16 and 64 slower. */
 int comera_gemm_dot_wins_f32(int64_t N) {
     const comera_gemm_variant *v = comera_gemm_variant_in_use();
-    int64_t padded = (N + v->nr - 1) / v->nr * v->nr;
+    /* a tile narrower than its variant's width computes 16-column panels */
+    int64_t padded = (N + COMERA_GEMM_NR - 1) / COMERA_GEMM_NR * COMERA_GEMM_NR;
     return v->dot != NULL && N > 0 && N <= 64 && N * 100 < 85 * padded;
 }
 

@@ -89,9 +89,11 @@ void comera_widen_avx2(int dt, const uint16_t *src, float *dst, int64_t n);
 void comera_pack_half_avx2(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
                            float *packed);
 
-/* The AVX2 dot-product kernel (common/gemm_dot.c). */
+/* The AVX2 and AVX-512 dot-product kernels (common/gemm_dot.c). */
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
+void comera_dot_avx512_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                           const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
 
 /* The AMX side (common/gemm_amx.c).  comera_amx_usable: the CPU has AMX-BF16
  * and AVX512-BF16 and Linux lets this process use the tile registers (asked

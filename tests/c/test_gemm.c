@@ -279,10 +279,11 @@ void test_gemm(void) {
     for (int a = 0; a < 6; a++)
         for (int b = 0; b < 10; b++)
             for (int c = 0; c < 9; c++) dot_case(&g, DM[a], DN[b], DK[c]);
-    /* the rule follows the variant: the AVX2 one only, where padding wastes
-     * 15% of a 16-column panel */
-    int avx2 = strcmp(comera_gemm_isa(), "avx2") == 0;
-    check(comera_gemm_dot_wins_f32(10) == avx2 && comera_gemm_dot_wins_f32(20) == avx2 &&
+    /* the rule follows the variant: those with a dot kernel (avx2, and
+     * avx512bf16: AMD), where padding wastes 15% of a 16-column panel */
+    const char *vn = comera_gemm_variant_name();
+    int dot = strcmp(vn, "avx2") == 0 || strcmp(vn, "avx512bf16") == 0;
+    check(comera_gemm_dot_wins_f32(10) == dot && comera_gemm_dot_wins_f32(20) == dot &&
               !comera_gemm_dot_wins_f32(16) && !comera_gemm_dot_wins_f32(30) &&
               !comera_gemm_dot_wins_f32(100) && !comera_gemm_dot_wins_f64(10),
           "dot_wins under %s: 10 -> %d, 16 -> %d, 30 -> %d", comera_gemm_isa(),
