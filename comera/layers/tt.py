@@ -194,15 +194,17 @@ def normal_cores_(cores: Sequence[torch.Tensor], std: float) -> None:
 
 def tt_svd(tensor: torch.Tensor, dims: Sequence[int], ranks: Sequence[int]) -> List[torch.Tensor]:
     """TT-SVD of ``tensor`` (numel == prod(dims)) truncated to the inner
-    ``ranks``; computed in float64, cores returned in float64."""
+    ``ranks``; computed in float64, cores returned in float64 and contiguous
+    (LAPACK's factors are column-major: parameters keeping those strides
+    would be copied by every kernel call and round differently in a BLAS)."""
     C = tensor.detach().to(torch.float64).reshape(-1)
     cores, r_prev = [], 1
     for k in range(len(dims) - 1):
         C = C.reshape(r_prev * dims[k], -1)
         U, S, Vh = torch.linalg.svd(C, full_matrices=False)
         r = min(ranks[k], S.shape[0])
-        cores.append(U[:, :r].reshape(r_prev, dims[k], r))
+        cores.append(U[:, :r].reshape(r_prev, dims[k], r).contiguous())
         C = S[:r, None] * Vh[:r]
         r_prev = r
-    cores.append(C.reshape(r_prev, dims[-1], 1))
+    cores.append(C.reshape(r_prev, dims[-1], 1).contiguous())
     return cores

@@ -36,16 +36,29 @@ def dense_wt(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor], num_i
 
 
 def ttm_full(cores: Sequence[torch.Tensor], gates: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The whole padded table ``(prod v, prod e)`` of TTM cores (differentiable)."""
-    P = cores[0] * gates[0] if gates else cores[0]
-    P = P.reshape(P.shape[1], P.shape[2], P.shape[3])  # (V, E, r)
-    for k in range(1, len(cores)):
-        c = cores[k] * gates[k] if k < len(gates) else cores[k]
-        r, v, e, r2 = c.shape
-        V, E, _ = P.shape
-        P = (P.reshape(V * E, r) @ c.reshape(r, v * e * r2)).reshape(V, E, v, e, r2)
-        P = P.permute(0, 2, 1, 3, 4).reshape(V * v, E * e, r2)
-    return P.reshape(P.shape[0], P.shape[1])
+    """The whole padded table ``(prod v, prod e)`` of TTM cores (differentiable).
+
+    The cores after the first are contracted first, from the last one back;
+    then each row slice of the first core meets that block in a product of
+    its own (a batched product).  A row's arithmetic thus never depends on
+    how many slices the first core has, where rows are added and dropped: a
+    BLAS may round a row differently in a product of another row count (MKL
+    on AMD CPUs does), and kept rows must stay bit-exact."""
+    eff = [c * gates[k] if k < len(gates) else c for k, c in enumerate(cores)]
+    r, v, e, _ = eff[-1].shape
+    R = eff[-1].reshape(r, v, e)  # (r_{k-1}, rows of cores k.., columns of cores k..)
+    for c in reversed(eff[1:-1]):
+        r0, v, e, r1 = c.shape
+        _, V, E = R.shape
+        T = (c.reshape(r0 * v * e, r1) @ R.reshape(r1, V * E)).reshape(r0, v, e, V, E)
+        R = T.permute(0, 1, 3, 2, 4).reshape(r0, v * V, e * E)
+    first = eff[0]
+    _, v, e, r1 = first.shape
+    _, V, E = R.shape
+    if len(eff) == 1:
+        return first.reshape(v, e)
+    out = torch.bmm(first.reshape(v, e, r1), R.reshape(1, r1, V * E).expand(v, r1, V * E))
+    return out.reshape(v, e, V, E).permute(0, 2, 1, 3).reshape(v * V, e * E)
 
 
 def ttm_table(cores, gates, num_embeddings: int, embedding_dim: int) -> torch.Tensor:

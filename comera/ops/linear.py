@@ -265,9 +265,10 @@ class Prepared:
         key = [p._version for p in params]
         if key != self.key or not all(map(operator.is_, params, self.params)):
             p = num_in_cores
-            with torch.no_grad():
-                v = merge(cores[:p], gates[:p])
-                u = merge(cores[p:], gates[p:]).reshape(v.shape[1], -1)
+            with torch.no_grad():  # contiguous: the kernels' operands (and rounding)
+                dense = [c.contiguous() for c in cores]
+                v = merge(dense[:p], gates[:p])
+                u = merge(dense[p:], gates[p:]).reshape(v.shape[1], -1)
                 self.v = v[:in_features].contiguous()
                 self.u = u[:, :out_features].contiguous()
             self.key, self.params = key, params

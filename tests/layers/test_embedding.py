@@ -430,6 +430,34 @@ def test_op_level_bad_arguments_raise_not_crash():
                                            23, 4, -1, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,dims,rank", [(12, [4, 3], 3), (25, [5, 5, 8], 8)])
+def test_table_rows_do_not_depend_on_the_first_cores_slice_count(dtype, rows, dims, rank):
+    # rows come and go by slices of the first core (a resized vocabulary): the
+    # kept rows of ttm_full must stay bit-exact, whatever a BLAS does at
+    # another row count
+    torch.manual_seed(0)
+    cores = [torch.randn(1, rows, dims[0], rank, dtype=dtype)]
+    cores += [torch.randn(rank, 3, d, rank if k < len(dims) - 2 else 1, dtype=dtype)
+              for k, d in enumerate(dims[1:])]
+    gates = [torch.rand(c.shape[-1], dtype=dtype) for c in cores[:-1]]
+    table = ttm_full(cores, gates)
+    grown = [torch.cat([cores[0], torch.randn(1, 7, dims[0], rank, dtype=dtype)], 1)] + cores[1:]
+    kept = ttm_full(grown, gates)[: table.shape[0]]
+    assert torch.equal(kept, table)
+    if len(cores) == 2:  # row (i, j), column (p, q)
+        reference = torch.einsum("aipb,bjqc->ijpq", cores[0] * gates[0], cores[1])
+        torch.testing.assert_close(table, reference.reshape(table.shape))
+
+
+def test_from_dense_cores_are_contiguous():
+    # LAPACK's factors are column-major: cores keeping those strides were copied
+    # by every kernel call and rounded differently from a reloaded copy
+    emb = comera.TTEmbedding.from_dense(torch.randn(23, 10), rank=3)
+    lin = comera.TTLinear.from_dense(nn.Linear(24, 12), rank=3)
+    assert all(c.is_contiguous() for c in list(emb.cores) + list(lin.cores))
+
+
 def test_weight_to_dense_and_from_dense_round_trip():
     emb = _make(23, 10, ([2, 3, 4], [2, 3, 2]), 3)
     table, _, _ = _reference(emb)
