@@ -104,6 +104,8 @@ SECTIONS = [
      "to AVX2"),
     ("linear_cpu_epyc_avx512", "TTLinear against nn.Linear and the merge path on an AVX-512 "
      "EPYC (float32 and bfloat16)"),
+    ("linear_cpu_epyc_avx2only", "TTLinear on the AVX-512 EPYC with comera, MKL and torch "
+     "limited to AVX2"),
     ("linear_cpu_glibc_hugetlb", "TTLinear with glibc's huge-page malloc"),
     ("bench_embedding", "TTEmbedding against nn.Embedding"),
     ("prune_cpu", "Pruning: time against FLOPs"),
