@@ -51,6 +51,23 @@ def tt_layers(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
             yield name, module
 
 
+def cores_and_gates(layer: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """A TT layer's cores and gates as lists in index order, read from the
+    two ParameterLists' parameter dicts (as :func:`param_list`): ``layer.cores``
+    alone goes through ``nn.Module.__getattr__``, which costs as much as a
+    small lookup's kernel.
+
+    Example:
+        >>> import comera
+        >>> cores, gates = cores_and_gates(comera.TTLinear(16, 16, rank=3))
+        >>> [tuple(c.shape) for c in cores], [tuple(g.shape) for g in gates]
+        ([(1, 4, 3), (3, 4, 3), (3, 4, 3), (3, 4, 1)], [(3,), (3,), (3,)])
+    """
+    mods = layer._modules
+    return (list(mods["cores"]._parameters.values()),
+            list(mods["gates"]._parameters.values()))
+
+
 def param_list(plist: nn.ParameterList) -> List[torch.Tensor]:
     """The entries of a ParameterList in index order, read from its parameter
     dict: ``list(plist)`` goes through ``__getitem__`` per entry, which costs

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from comera.layers import tt
-from comera.layers.base import TTLayerMixin, param_list, replace_data
+from comera.layers.base import TTLayerMixin, cores_and_gates, replace_data
 from comera.ops.dense import ttm_full
 from comera.ops.embedding import MODES, REUSE, tt_embedding, tt_embedding_plan, tt_embedding_rows
 from comera.ops.gpu_cost import tt_embedding_gpu_cost
@@ -272,11 +272,11 @@ class TTEmbedding(TTLayerMixin, nn.Module):
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Plain mode: ``input`` of any shape -> ``(*input.shape, embedding_dim)``.
         Bag modes: as :meth:`torch.nn.EmbeddingBag.forward`."""
-        cores = param_list(self.cores)
-        if (self.mode is None and offsets is None and per_sample_weights is None
+        cores, gates = cores_and_gates(self)
+        if (offsets is None and per_sample_weights is None and self.mode is None
                 and isinstance(input, torch.Tensor) and input.dtype in _INDEX_DTYPES
                 and input.device == cores[0].device):  # a plain lookup, checked
-            return tt_embedding_rows(input, cores, param_list(self.gates), self.num_embeddings,
+            return tt_embedding_rows(input, cores, gates, self.num_embeddings,
                                      self.embedding_dim, self.padding_idx, self.reuse,
                                      self.capturable)
         if not isinstance(input, torch.Tensor):
@@ -290,7 +290,7 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         if self.mode is None and (offsets is not None or per_sample_weights is not None):
             raise ValueError("offsets and per_sample_weights need a bag layer "
                              "(TTEmbedding(..., mode='sum' or 'mean'))")
-        return tt_embedding(input, cores, param_list(self.gates), self.num_embeddings,
+        return tt_embedding(input, cores, gates, self.num_embeddings,
                             self.embedding_dim, offsets=offsets,
                             per_sample_weights=per_sample_weights, padding_idx=self.padding_idx,
                             mode=self.mode, include_last_offset=self.include_last_offset,

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from comera.layers import tt
-from comera.layers.base import TTLayerMixin, param_list
+from comera.layers.base import TTLayerMixin, cores_and_gates
 from comera.ops import route
 from comera.ops.dense import dense_wt
 from comera.ops.gpu_cost import tt_linear_gpu_plan
@@ -173,12 +173,12 @@ class TTLinear(TTLayerMixin, nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` of shape ``(*, in_features)`` -> ``(*, out_features)``, as
         :meth:`torch.nn.Linear.forward` (its argument has the same name)."""
-        x, cores = input, param_list(self.cores)
+        x, (cores, gates) = input, cores_and_gates(self)
         w = cores[0]
         if not (isinstance(x, torch.Tensor) and x.dtype == w.dtype and x.ndim
                 and x.shape[-1] == self.in_features and x.device == w.device):
             self._check_input(x, w)  # raises, or accepts a 16-bit x or autocast
-        return tt_linear_prepared(x, cores, param_list(self.gates), self.bias,
+        return tt_linear_prepared(x, cores, gates, self.bias,
                                   len(self.in_shape), self.out_features, self.path,
                                   self._prepared)
 

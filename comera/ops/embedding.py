@@ -185,14 +185,20 @@ class TTEmbeddingFunction(torch.autograd.Function):
 _apply_embedding = eager_apply(TTEmbeddingFunction)
 
 
-def _run(indices, offsets, psw, cores, gates, *args):
+# The overload's own callable: OpOverload.__call__ is this call behind a
+# Python frame, which costs about a tenth of a few-token lookup.
+_LOOKUP = torch.ops.comera.tt_embedding.default._op
+
+
+def _run(indices, offsets, psw, cores: List[torch.Tensor], gates: List[torch.Tensor], *args):
     if torch.compiler.is_compiling():  # the compiled graph holds the operator
         return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
     if torch.is_grad_enabled() or func_active():
         return _apply_embedding(indices, offsets, psw, args, len(cores), *cores, *gates)
-    with torch._C._AutoDispatchBelowAutograd():  # nothing to record
-        return torch.ops.comera.tt_embedding.default(indices, offsets, psw, list(cores),
-                                                     list(gates), *args)
+    # nothing to record: below autograd, whose Python kernel would cost more
+    # than a few-token lookup only to find that
+    with torch._C._AutoDispatchBelowAutograd():
+        return _LOOKUP(indices, offsets, psw, cores, gates, *args)
 
 
 def _fold_forward(info, in_dims, indices, offsets, psw, cores, gates, *args):
