@@ -10,7 +10,7 @@
  * once at the end.  A tile is 3 rows of A by up to 4 rows of Bt: 12
  * accumulators, 7 loads per 12 multiply-adds (2 x 5 tiles, 7 loads per
  * 10, ran at 21-28 GFLOP/s where 3 x 4 ran at 26-33, same machine).
- * The same tiles on 16-float vectors serve the avx512bf16 variant (an AMD
+ * Wider tiles on 16-float vectors serve the avx512bf16 variant (an AMD
  * CPU; common/gemm_isa.c), one loop nest (dot_drive) for both.
  */
 #include "common/gemm.h"
@@ -125,28 +125,31 @@ typedef void (*dot_rows_fn)(int rows, int cols, int64_t K, const float *A, int64
                             const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
                             int64_t panel, int next);
 
-/* Row triples outside, column groups inside: three A rows are read from
- * memory once and from cache for their other column groups.  Groups of at
- * most 4 columns, as even as possible (10 = 4 + 3 + 3 rather than
- * 4 + 4 + 2, whose 2-wide tile has too few independent sums to hide the
- * multiply-add latency).  The first group packs A when asked. */
-static void dot_drive(dot_rows_fn rows_fn, int64_t M, int64_t N, int64_t K, const float *A,
-                      int64_t lda, const float *Bt, int64_t ldb, float *C, int64_t ldc,
-                      float *Apack) {
-    int64_t groups = (N + 3) / 4, base = N / groups, extra = N % groups;
+/* Groups of tile_rows rows outside, column groups inside: the A rows are
+ * read from memory once and from cache for their other column groups.
+ * Groups of at most tile_cols columns, as even as possible (AVX2, 4 wide:
+ * 10 = 4 + 3 + 3 rather than 4 + 4 + 2, whose 2-wide tile has too few
+ * independent sums to hide the multiply-add latency).  The first group
+ * packs A when asked. */
+static void dot_drive(dot_rows_fn rows_fn, int tile_rows, int tile_cols, int64_t max_k_next,
+                      int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                      const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
+    int64_t groups = (N + tile_cols - 1) / tile_cols, base = N / groups, extra = N % groups;
     int fuse = Apack && K % 16 == 0;
-    for (int64_t i = 0; i < M; i += 3) {
-        int rows = M - i >= 3 ? 3 : (int)(M - i);
+    for (int64_t i = 0; i < M; i += tile_rows) {
+        int rows = M - i >= tile_rows ? tile_rows : (int)(M - i);
         int64_t j = 0;
         for (int64_t g = 0; g < groups; g++) {
             int cols = (int)(g < extra ? base + 1 : base);
             float *ap = fuse && g == 0 ? Apack + i * 16 : NULL;
             /* the first column group reads the rows from memory, the
-             * others from cache: at K <= 1024 those fetch the next triple
-             * meanwhile, spreading that read over them (x V and dy U^T at
-             * rank 8, K = 768: 17-25% faster; at K = 3072 4% slower, where
-             * the hardware streams of the long rows were doing well) */
-            int next = g > 0 && rows == 3 && K <= 1024;
+             * others from cache: up to K = max_k_next those fetch the next
+             * triple meanwhile, spreading that read over them (AVX2 EPYC:
+             * x V and dy U^T at rank 8, K = 768, 17-25% faster; at K = 3072
+             * 4% slower, where the hardware streams of the long rows were
+             * doing well; AVX-512 EPYC: dy U^T at rank 10, K = 3072, faster
+             * too) */
+            int next = g > 0 && rows == tile_rows && K <= max_k_next;
             rows_fn(rows, cols, K, A + i * lda, lda, Bt + j * ldb, ldb, C + i * ldc + j, ldc, ap,
                     16 * M, next);
             j += cols;
@@ -157,58 +160,58 @@ static void dot_drive(dot_rows_fn rows_fn, int64_t M, int64_t N, int64_t K, cons
 
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
-    dot_drive(dot_avx2_rows, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
+    dot_drive(dot_avx2_rows, 3, 4, 1024, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
 }
 
-/* The same tiles on 16-float vectors: the K % 16 tail with a masked load,
- * A stored into its 16-column panels whole (K a multiple of 16). */
+/* Tiles of up to 4 rows of A by 5 rows of Bt on 16-float vectors (32
+ * registers: 20 accumulators, 9 loads per 20 multiply-adds; on the
+ * AVX-512 EPYC dy U^T at rank 10 ran 3-5% faster than with the AVX2
+ * shape of 3 x 4), the K % 16 tail with a masked load, A stored into its
+ * 16-column panels whole (K a multiple of 16). */
 __attribute__((target("avx512f"), always_inline))
 static inline void dot_avx512_tile(int ROWS, int COLS, int64_t K, const float *A, int64_t lda,
                                    const float *Bt, int64_t ldb, float *C, int64_t ldc,
                                    float *Ap, int64_t panel, int next) {
-    __m512 acc[3][4];
-#pragma GCC unroll 3
-    for (int i = 0; i < ROWS; i++)
+    __m512 acc[4][5], x[4];
+    const float *a[4];
 #pragma GCC unroll 4
+    for (int i = 0; i < ROWS; i++) {
+        a[i] = A + i * lda;
+#pragma GCC unroll 5
         for (int j = 0; j < COLS; j++) acc[i][j] = _mm512_setzero_ps();
-    const float *a1 = A + (ROWS >= 2 ? lda : 0), *a2 = A + (ROWS == 3 ? 2 * lda : 0);
+    }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        if (next) /* the next row triple into L2 (dot_avx2_tile) */
-#pragma GCC unroll 3
-            for (int i = 0; i < 3; i++)
-                _mm_prefetch((const char *)(A + (3 + i) * lda + k), _MM_HINT_T1);
-        __m512 x0 = _mm512_loadu_ps(A + k), x1 = _mm512_loadu_ps(a1 + k);
-        __m512 x2 = _mm512_loadu_ps(a2 + k);
-        if (Ap) {
-            float *p = Ap + (k >> 4) * panel;
-            _mm512_storeu_ps(p, x0);
-            if (ROWS >= 2) _mm512_storeu_ps(p + 16, x1);
-            if (ROWS == 3) _mm512_storeu_ps(p + 32, x2);
-        }
+        if (next) /* the next rows into L2 (dot_avx2_tile) */
 #pragma GCC unroll 4
+            for (int i = 0; i < ROWS; i++)
+                _mm_prefetch((const char *)(A + (ROWS + i) * lda + k), _MM_HINT_T1);
+#pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++) x[i] = _mm512_loadu_ps(a[i] + k);
+        if (Ap)
+#pragma GCC unroll 4
+            for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(Ap + (k >> 4) * panel + 16 * i, x[i]);
+#pragma GCC unroll 5
         for (int j = 0; j < COLS; j++) {
             __m512 b = _mm512_loadu_ps(Bt + j * ldb + k);
-            acc[0][j] = _mm512_fmadd_ps(x0, b, acc[0][j]);
-            if (ROWS >= 2) acc[1][j] = _mm512_fmadd_ps(x1, b, acc[1][j]);
-            if (ROWS == 3) acc[2][j] = _mm512_fmadd_ps(x2, b, acc[2][j]);
+#pragma GCC unroll 4
+            for (int i = 0; i < ROWS; i++) acc[i][j] = _mm512_fmadd_ps(x[i], b, acc[i][j]);
         }
     }
     if (k < K) {
         __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
-        __m512 x0 = _mm512_maskz_loadu_ps(m, A + k), x1 = _mm512_maskz_loadu_ps(m, a1 + k);
-        __m512 x2 = _mm512_maskz_loadu_ps(m, a2 + k);
 #pragma GCC unroll 4
+        for (int i = 0; i < ROWS; i++) x[i] = _mm512_maskz_loadu_ps(m, a[i] + k);
+#pragma GCC unroll 5
         for (int j = 0; j < COLS; j++) {
             __m512 b = _mm512_maskz_loadu_ps(m, Bt + j * ldb + k);
-            acc[0][j] = _mm512_fmadd_ps(x0, b, acc[0][j]);
-            if (ROWS >= 2) acc[1][j] = _mm512_fmadd_ps(x1, b, acc[1][j]);
-            if (ROWS == 3) acc[2][j] = _mm512_fmadd_ps(x2, b, acc[2][j]);
+#pragma GCC unroll 4
+            for (int i = 0; i < ROWS; i++) acc[i][j] = _mm512_fmadd_ps(x[i], b, acc[i][j]);
         }
     }
-#pragma GCC unroll 3
-    for (int i = 0; i < ROWS; i++)
 #pragma GCC unroll 4
+    for (int i = 0; i < ROWS; i++)
+#pragma GCC unroll 5
         for (int j = 0; j < COLS; j++) C[i * ldc + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
@@ -217,14 +220,22 @@ static void dot_avx512_rows(int rows, int cols, int64_t K, const float *A, int64
                             const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
                             int64_t panel, int next) {
     switch (rows * 8 + cols) {
+    case 4 * 8 + 5: dot_avx512_tile(4, 5, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 4 * 8 + 4: dot_avx512_tile(4, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 4 * 8 + 3: dot_avx512_tile(4, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 4 * 8 + 2: dot_avx512_tile(4, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 4 * 8 + 1: dot_avx512_tile(4, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 5: dot_avx512_tile(3, 5, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 3 * 8 + 4: dot_avx512_tile(3, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 3 * 8 + 3: dot_avx512_tile(3, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 3 * 8 + 2: dot_avx512_tile(3, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 3 * 8 + 1: dot_avx512_tile(3, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 5: dot_avx512_tile(2, 5, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 2 * 8 + 4: dot_avx512_tile(2, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 2 * 8 + 3: dot_avx512_tile(2, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 2 * 8 + 2: dot_avx512_tile(2, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 2 * 8 + 1: dot_avx512_tile(2, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 5: dot_avx512_tile(1, 5, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 1 * 8 + 4: dot_avx512_tile(1, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 1 * 8 + 3: dot_avx512_tile(1, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 1 * 8 + 2: dot_avx512_tile(1, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
@@ -234,7 +245,7 @@ static void dot_avx512_rows(int rows, int cols, int64_t K, const float *A, int64
 
 void comera_dot_avx512_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                            const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
-    dot_drive(dot_avx512_rows, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
+    dot_drive(dot_avx512_rows, 4, 5, INT64_MAX, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
 }
 #endif
 

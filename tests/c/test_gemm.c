@@ -274,10 +274,12 @@ void test_gemm(void) {
     group_end();
 
     group_begin("gemm dot products vs naive");
-    static const int64_t DM[] = {1, 2, 3, 4, 7, 48}, DN[] = {1, 2, 3, 4, 5, 8, 10, 13, 20, 64};
+    /* rows and columns around both tile shapes (AVX2 3 x 4, AVX-512 4 x 5) */
+    static const int64_t DM[] = {1, 2, 3, 4, 5, 6, 7, 9, 48};
+    static const int64_t DN[] = {1, 2, 3, 4, 5, 8, 9, 10, 13, 15, 20, 64};
     static const int64_t DK[] = {0, 1, 7, 8, 9, 16, 31, 48, 768};
-    for (int a = 0; a < 6; a++)
-        for (int b = 0; b < 10; b++)
+    for (int a = 0; a < 9; a++)
+        for (int b = 0; b < 12; b++)
             for (int c = 0; c < 9; c++) dot_case(&g, DM[a], DN[b], DK[c]);
     /* the rule follows the variant: those with a dot kernel (avx2, and
      * avx512bf16: AMD), where padding wastes 15% of a 16-column panel */
