@@ -15,6 +15,7 @@ from comera.adapt.controller import RankController
 from comera.adapt.gates import FlatGates
 from comera.adapt.state import ControllerState
 from comera.adapt.step import GateStep
+from comera.ops.gate_step import has_gate_step_kernel
 
 VALUES = [0.0, 0.25, -0.25, 0.5, -0.5, 0.3, 1e-3, -2e-3, 0.05, -0.07, 1.0]
 
@@ -52,32 +53,31 @@ def _case(draw_sizes, rng, dtype, nan_gate, no_grad):
 
 def _state(gates, signs, rng, frozen, nan_seen):
     state = ControllerState.for_gates(gates)
-    state.signs = [s.clone() for s in signs]
-    state.saliency = [torch.rand(g.numel(), generator=rng, dtype=torch.float64) for g in gates]
+    state.signs = [s.to(g.device) for s, g in zip(signs, gates)]
+    state.saliency = [torch.rand(g.numel(), generator=rng, dtype=torch.float64).to(g.device)
+                      for g in gates]
     state.frozen.fill_(frozen)
     state.nan_seen.fill_(nan_seen)
     return state
 
 
-@settings(max_examples=120, deadline=None)
-@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=7),
-       seed=st.integers(0, 2 ** 31 - 1), dtype=st.sampled_from([torch.float32, torch.float64]),
-       stage=st.sampled_from([1, 2]), target=st.booleans(), frozen=st.booleans(),
-       nan_gate=st.one_of(st.none(), st.integers(0, 6)), nan_seen=st.booleans(),
-       no_grad=st.sets(st.integers(0, 6), max_size=3), min_rank=st.integers(1, 3),
-       gamma=st.sampled_from([0.0, 0.5, 4.0]), lr=st.booleans(), sync=st.booleans(),
-       threshold=st.sampled_from([-1.0, 0.0, 1e-2]))
-def test_fused_step_matches_tensor_step(sizes, seed, dtype, stage, target, frozen, nan_gate,
-                                        nan_seen, no_grad, min_rank, gamma, lr, sync, threshold):
+def _compare(sizes, seed, dtype, stage, target, frozen, nan_gate, nan_seen, no_grad, min_rank,
+             gamma, lr, sync, threshold, device=torch.device("cpu")):
+    """One GateStep.run through the operator and through the tensor code, on
+    copies of the same random gates and state: the same bits everywhere."""
     rng = torch.Generator().manual_seed(seed)
-    gates, signs = _case(sizes, rng, dtype, nan_gate, no_grad)
+    made, signs = _case(sizes, rng, dtype, nan_gate, no_grad)
+    gates = [torch.nn.Parameter(g.detach().to(device)) for g in made]
+    for g, g0 in zip(gates, made):
+        g.grad = None if g0.grad is None else g0.grad.to(device)
     state = _state(gates, signs, rng, frozen, nan_seen)
+    state.step = 2 if stage == 1 else 5
     # one bond per gate: a two-core layer each
     ctl = RankController([[2, 3]] * len(gates), gamma=gamma, stage1_steps=4, stage2_steps=8,
                          target_size=(3.0 * sum(sizes) if target else None), min_rank=min_rank)
-    state.step = 2 if stage == 1 else 5
-    rates = (torch.rand(len(gates), generator=rng, dtype=torch.float64) * 0.5) if lr else None
-    fg = FlatGates(sizes)
+    rates = (torch.rand(len(gates), generator=rng, dtype=torch.float64) * 0.5).to(device) \
+        if lr else None
+    fg = FlatGates(sizes, device)
     results = []
     for fused in (True, False):
         gs = [torch.nn.Parameter(g.detach().clone()) for g in gates]
@@ -101,6 +101,49 @@ def test_fused_step_matches_tensor_step(sizes, seed, dtype, stage, target, froze
     assert _same(s1.saliency, s2.saliency)
     for name in ControllerState._SCALARS:
         assert _same([getattr(s1, name)], [getattr(s2, name)]), name
+
+
+CASES = dict(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=7),
+             seed=st.integers(0, 2 ** 31 - 1), stage=st.sampled_from([1, 2]),
+             target=st.booleans(), frozen=st.booleans(),
+             nan_gate=st.one_of(st.none(), st.integers(0, 6)), nan_seen=st.booleans(),
+             no_grad=st.sets(st.integers(0, 6), max_size=3), min_rank=st.integers(1, 3),
+             gamma=st.sampled_from([0.0, 0.5, 4.0]), lr=st.booleans(), sync=st.booleans(),
+             threshold=st.sampled_from([-1.0, 0.0, 1e-2]))
+
+
+@settings(max_examples=120, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float64]), **CASES)
+def test_fused_step_matches_tensor_step(**case):
+    _compare(**case)
+
+
+CUDA = torch.device("cuda")
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not has_gate_step_kernel(CUDA, torch.float32),
+    reason="needs a GPU and comera's CUDA kernels")
+
+
+@needs_gpu
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), **CASES)
+def test_fused_step_matches_tensor_step_on_cuda(**case):
+    _compare(device=CUDA, **case)
+
+
+@needs_gpu
+def test_one_launch_for_192_gates():
+    """The `paper` preset's 192 gates: one kernel, whatever they hold."""
+    gates = [torch.randn(12, device=CUDA) * 0.1 for _ in range(192)]
+    args = ([torch.sign(g).to(torch.int8) for g in gates], [torch.randn_like(g) for g in gates],
+            [torch.zeros(12, dtype=torch.float64, device=CUDA) for _ in gates])
+    amount = torch.full((192,), 0.01, device=CUDA)
+    comera.ops.gate_step_(gates, *args, amount, threshold=1e-3)   # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        comera.ops.gate_step_(gates, *args, amount, threshold=1e-3)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "gate_step" in e.name and "kernel" in e.name]
+    assert len(names) == 1 and "gate_step_kernel" in names[0], names
 
 
 def _train(fused, opt_name, steps, dtype=torch.float32, **kw):
