@@ -140,7 +140,23 @@ class GateStep:
                    lr: Optional[torch.Tensor]) -> bool:
         """Whether ``comera::gate_step_`` can take this step: contiguous 1-D
         gates of one dtype on one device with a kernel, their signs,
-        saliency (float64), gradients (or none) and ``lr`` there too."""
+        saliency (float64), gradients (or none) and ``lr`` there too.
+
+        Example:
+            >>> import torch
+            >>> from comera.adapt.controller import RankController
+            >>> from comera.adapt.gates import FlatGates
+            >>> from comera.adapt.state import ControllerState
+            >>> ctl = RankController([[2, 3], [2, 3]], gamma=0.5, stage1_steps=1,
+            ...                      stage2_steps=0, target_size=None)
+            >>> step = GateStep(ctl, [], threshold=0.0, rule="saliency")
+            >>> gates = [torch.ones(3), torch.ones(2)]
+            >>> step.fits_fused(ControllerState.for_gates(gates), FlatGates([3, 2]), gates, None)
+            True
+            >>> half = [g.bfloat16() for g in gates]   # no CPU kernel for bfloat16
+            >>> step.fits_fused(ControllerState.for_gates(half), FlatGates([3, 2]), half, None)
+            False
+        """
         if not gates or fg.spread:
             return False
         dtype, device = gates[0].dtype, gates[0].device

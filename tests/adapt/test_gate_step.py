@@ -258,3 +258,18 @@ def test_stage1_step_is_a_handful_of_ops():
     assert len(fused) <= 5, fused
     # the tensor code it replaces: 71 operators and a .data (a detach) per gate and use
     assert len([f for f in tensor if f != torch.ops.aten.detach.default]) >= 50, tensor
+
+
+def test_half_precision_on_cpu_takes_the_tensor_code():
+    """No C kernel for bfloat16: the step runs the tensor code (gate_prox_
+    through float32 copies), not the operator."""
+    layer = comera.TTLinear(16, 16, rank=4, in_shape=[4, 4], out_shape=[4, 4]).bfloat16()
+    ra = comera.RankAdaptive(layer, gamma=50.0, stage1_steps=5, balance=False)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer(torch.randn(2, 16, dtype=torch.bfloat16)).sum().backward()
+    with _Count() as count:
+        ra.step(opt)
+    assert torch.ops.comera.gate_step_.default not in count.ops
+    assert torch.ops.comera.gate_prox_.default in count.ops
+    # a shrink of lr * gamma = 5 takes every gate down to its min_rank rescue
+    assert [int(torch.count_nonzero(s)) for s in ra.state.signs] == [1] * len(layer.gates)
