@@ -73,6 +73,15 @@ STABLE_TORCH_LIBRARY(comera, m) {
     // gates' device), -1 for a gate holding a NaN (then nothing is modified).
     m.def("gate_prox_(Tensor(a!)[] gates, Tensor(b!)[] signs, float threshold, int min_live, "
           "bool kill) -> Tensor");
+    // The whole rank-adaptation step on the gates, in place, in one call: the
+    // NaN check (a NaN anywhere: nothing changes but nan_seen / nan_gates,
+    // which record the first one), the saliency average of |g * grad| (an
+    // empty grads[k]: no gradient), the shrink by amount[k] with the min_live
+    // rescue (no amount, or frozen set: none), then gate_prox_'s rule.
+    // Returns gate_prox_'s live counts (comera/gate_prox.h).
+    m.def("gate_step_(Tensor(a!)[] gates, Tensor(b!)[] signs, Tensor[] grads, "
+          "Tensor(c!)[] saliency, Tensor? amount, Tensor? frozen, Tensor(d!)? nan_seen, "
+          "Tensor(e!)? nan_gates, float threshold, int min_live, bool kill) -> Tensor");
 
     // --- the C kernels' micro-kernel variant (docs/design.md section 5) ---
     m.def("cpu_isa() -> str");

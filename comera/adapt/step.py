@@ -6,16 +6,22 @@ After the optimizer's step, :class:`GateStep`:
 2. shrinks every live entry, ``g <- sign(g) max(|g| - lr * strength, 0)``
    (strength ``gamma`` in stage 1, ``lam * w_b`` in stage 2), keeping the
    ``min_rank`` largest of a gate that would fall below ``min_rank``;
-3. runs the fused proximal kernel ``comera::gate_prox_``, which proposes the
+3. applies the proximal rule of ``comera::gate_prox_``, which proposes the
    deaths (entries at 0, across 0, or within ``threshold`` of it);
 4. with a target, asks :class:`comera.adapt.controller.RankController`
    which proposed deaths to undo and which ranks to kill besides, and
    writes its answer into the gates and signs.
 
-All of it works on the gates concatenated into one flat vector
-(:class:`comera.adapt.gates.FlatGates`), with the same tensor code on the
-CPU and on CUDA.  With ``sync=False`` nothing reads the device: a NaN gate
-makes the step a no-op and is recorded in the state (raised later by
+Steps 1 to 3 are one call of the fused operator ``comera::gate_step_``
+(:func:`comera.ops.gate_step_`: one kernel launch on CUDA) whenever the
+gates and their state share one device and dtype that it has a kernel for;
+otherwise (gates spread over devices, half precision on the CPU) they run
+as tensor code on the gates concatenated into one flat vector
+(:class:`comera.adapt.gates.FlatGates`), the same on the CPU and on CUDA,
+and the reference the operator is tested against.  Step 4 is tensor code.
+
+With ``sync=False`` nothing reads the device: a NaN gate makes the step a
+no-op and is recorded in the state (raised later by
 :meth:`comera.RankAdaptive.check`).  With ``sync=True`` the step raises on
 a NaN at once, skips the review of frozen ranks and lets the controller stop
 its loops early.
@@ -31,6 +37,7 @@ from comera.adapt.gates import FlatGates, on_device
 from comera.adapt.state import ControllerState
 from comera.layers.base import full_value
 from comera.ops.gate_prox import gate_prox_
+from comera.ops.gate_step import gate_step_, has_gate_step_kernel
 
 # Running average of the saliency |g * dL/dg|: weight of the past.
 SALIENCY_DECAY = 0.9
@@ -94,12 +101,17 @@ class GateStep:
         self.layers = list(layers)
         self.threshold = threshold
         self.rule = rule
+        self.fused = True  # False: always the tensor code (the reference in tests)
+        self._none: Optional[torch.Tensor] = None  # the empty "no gradient" tensor
 
     @torch.no_grad()
     def run(self, state: ControllerState, fg: FlatGates, gates: Sequence[torch.Tensor],
             lr: Optional[torch.Tensor], sync: bool) -> None:
         """One step (module doc); ``lr``: per gate, its learning rate (None:
         no shrink, only the dead zone acts); ``sync``: may read the device."""
+        if self.fused and self.fits_fused(state, fg, gates, lr):
+            self._run_fused(state, fg, gates, lr, sync)
+            return
         ctl = self.controller
         flat = fg.cat(gates)  # a copy: the values before this step
         bad = fg.counts(torch.isnan(flat)) > 0
@@ -124,6 +136,86 @@ class GateStep:
         if review:
             self._review(state, fg, gates, flat, signs0, frozen0 & ok, ok, sync)
 
+    def fits_fused(self, state: ControllerState, fg: FlatGates, gates: Sequence[torch.Tensor],
+                   lr: Optional[torch.Tensor]) -> bool:
+        """Whether ``comera::gate_step_`` can take this step: contiguous 1-D
+        gates of one dtype on one device with a kernel, their signs,
+        saliency (float64), gradients (or none) and ``lr`` there too.
+
+        Example:
+            >>> import torch
+            >>> from comera.adapt.controller import RankController
+            >>> from comera.adapt.gates import FlatGates
+            >>> from comera.adapt.state import ControllerState
+            >>> ctl = RankController([[2, 3], [2, 3]], gamma=0.5, stage1_steps=1,
+            ...                      stage2_steps=0, target_size=None)
+            >>> step = GateStep(ctl, [], threshold=0.0, rule="saliency")
+            >>> gates = [torch.ones(3), torch.ones(2)]
+            >>> step.fits_fused(ControllerState.for_gates(gates), FlatGates([3, 2]), gates, None)
+            True
+            >>> half = [g.bfloat16() for g in gates]   # no CPU kernel for bfloat16
+            >>> step.fits_fused(ControllerState.for_gates(half), FlatGates([3, 2]), half, None)
+            False
+        """
+        if not gates or fg.spread:
+            return False
+        dtype, device = gates[0].dtype, gates[0].device
+        if state.device != device or not has_gate_step_kernel(device, dtype) or (
+                lr is not None and lr.device != device):
+            return False
+        for g, s, a in zip(gates, state.signs, state.saliency):
+            gr = g.grad
+            if (g.dtype != dtype or g.device != device or g.dim() != 1 or not g.is_contiguous()
+                    or s.dtype != torch.int8 or s.device != device or not s.is_contiguous()
+                    or a.dtype != torch.float64 or a.device != device or not a.is_contiguous()):
+                return False
+            if gr is not None and gr.shape == g.shape and (
+                    gr.dtype != dtype or gr.device != device or not gr.is_contiguous()):
+                return False
+        return True
+
+    def _run_fused(self, state: ControllerState, fg: FlatGates, gates: Sequence[torch.Tensor],
+                   lr: Optional[torch.Tensor], sync: bool) -> None:
+        """:meth:`run` with steps 1-3 in one ``comera::gate_step_`` call, in
+        the order of the tensor code: a NaN raises (``sync``) with nothing
+        changed, else is recorded in the state by the operator."""
+        ctl = self.controller
+        done = ctl.schedule_frozen(state.step)
+        kill = not done and not (sync and bool(state.frozen))
+        review = kill and ctl.target_size is not None
+        flat = fg.cat(gates) if review else None  # the values before this step
+        signs0 = fg.cat(state.signs) if review else None
+        frozen0 = state.frozen.clone() if review else None
+        amount = self._amount(state, fg, lr, gates[0].dtype) if kill and lr is not None else None
+        if self._none is None or self._none.device != gates[0].device or (
+                self._none.dtype != gates[0].dtype):
+            self._none = gates[0].new_empty(0)
+        grads = [g.grad if g.grad is not None and g.grad.shape == g.shape else self._none
+                 for g in gates]
+        # the gates themselves, not .data (a dispatched detach each): no_grad here
+        live = gate_step_(list(gates), state.signs, grads, state.saliency, amount,
+                          threshold=self.threshold, min_live=ctl.min_rank, kill=kill,
+                          frozen=state.frozen, nan_seen=None if sync else state.nan_seen,
+                          nan_gates=None if sync else state.nan_gates)
+        increment_version(list(gates))  # written behind autograd: see FlatGates.write_
+        if sync and bool((live < 0).any()):
+            raise self.nan_error((live < 0).tolist())
+        if done and ctl.target_size is not None:
+            state.frozen.fill_(True)
+        if review:
+            ok = (live >= 0).all()
+            self._review(state, fg, gates, flat, signs0, frozen0 & ok, ok, sync)
+
+    def _amount(self, state: ControllerState, fg: FlatGates, lr: torch.Tensor,
+                dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Per gate, this step's shrink ``lr * strength`` in the gates' dtype
+        (None: no shrink, stage 1 with ``gamma`` 0)."""
+        ctl = self.controller
+        if ctl.stage(state.step) == 2:
+            lam, weights = ctl.penalty_weights(state, fg.counts(fg.cat(state.signs) != 0))
+            return (lr * (lam * weights)).to(dtype)
+        return (lr * ctl.gamma).to(dtype) if ctl.gamma > 0 else None
+
     def _shrink(self, state: ControllerState, fg: FlatGates, gates, flat: torch.Tensor,
                 lr: torch.Tensor, keep: torch.Tensor) -> None:
         """The decoupled L1 step; a gate it would leave with fewer than
@@ -131,15 +223,11 @@ class GateStep:
         the earlier entry; the kernel then keeps them alive).  Where ``keep`` is False (a NaN gate,
         frozen ranks) the gates stay as they are."""
         ctl = self.controller
-        signs = fg.cat(state.signs)
-        if ctl.stage(state.step) == 2:
-            lam, weights = ctl.penalty_weights(state, fg.counts(signs != 0))
-            strength = lam * weights
-        elif ctl.gamma > 0:
-            strength = ctl.gamma
-        else:
+        per_gate = self._amount(state, fg, lr, flat.dtype)
+        if per_gate is None:
             return
-        amount = fg.per_entry(lr * strength).to(flat.dtype)
+        signs = fg.cat(state.signs)
+        amount = fg.per_entry(per_gate)
         # dead entries may have been moved by the optimizer (momentum): the kernel re-zeroes them
         old = torch.where(signs != 0, flat, torch.zeros_like(flat))
         new = old.sign() * (old.abs() - amount).clamp_min(0)

@@ -5,7 +5,10 @@
 // loops, no shared memory, no __syncthreads, no atomics).  That keeps them
 // simple and deterministic, and lets tests/cuda_emu compile this very code
 // with a host compiler (COMERA_CUDA_EMULATE) and run it on the CPU against
-// the C kernels: the only way to test it on a machine without a GPU.
+// the C kernels: the only way to test it on a machine without a GPU.  The
+// one exception, the gate step (gate_prox/step.cu), is a single block whose
+// threads agree through __syncthreads_or (COMERA_LAUNCH_BLOCK); the
+// emulation runs such a block's threads side by side.
 #ifndef COMERA_CUDA_COMMON_CUH
 #define COMERA_CUDA_COMMON_CUH
 
@@ -94,6 +97,16 @@ inline unsigned grid_for(int64_t n) {
 #else
 #define COMERA_LAUNCH(kernel, n, stream, ...) \
     kernel<<<grid_for(n), kThreads, 0, stream>>>(__VA_ARGS__)
+#endif
+
+// kernel<<<1, threads, 0, stream>>>(args...): one block whose threads may
+// synchronise; the emulation runs them as concurrent host threads.
+#ifdef COMERA_CUDA_EMULATE
+#define COMERA_LAUNCH_BLOCK(kernel, threads, stream, ...) \
+    comera_emu::launch_block(threads, stream, [&]() { kernel(__VA_ARGS__); })
+#else
+#define COMERA_LAUNCH_BLOCK(kernel, threads, stream, ...) \
+    kernel<<<1, threads, 0, stream>>>(__VA_ARGS__)
 #endif
 
 // Row-major GEMM on cuBLAS (column-major): C (M x N, ldc) = op(A) op(B) +

@@ -1,5 +1,5 @@
 /* gate_prox, CPU kernel for float64: the body of cpu_impl.h (see there)
- * compiled with REAL = double, and the public float64 entry point. */
+ * compiled with REAL = double, and the public float64 entry points. */
 #define REAL double
 #include "gate_prox/cpu_impl.h"
 
@@ -7,4 +7,8 @@ int comera_gate_prox_f64(int64_t num_gates, double *const *gates, int8_t *const 
                          const int64_t *sizes, double threshold, int64_t min_live, int kill,
                          int64_t *live, int nthreads) {
     return gate_prox_run(num_gates, gates, signs, sizes, threshold, min_live, kill, live, nthreads);
+}
+
+int comera_gate_step_f64(const comera_gate_step_args *a, int nthreads) {
+    return gate_step_run(a, nthreads);
 }

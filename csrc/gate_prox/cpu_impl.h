@@ -7,8 +7,9 @@
  * float and includes it, cpu_f64.c as double.  Every function here is
  * static and has its plain name, so grep finds each definition and call;
  * the public entry points (comera_gate_prox_f32, _f64) are written out by
- * name in cpu_f32.c and cpu_f64.c, as thin wrappers of gate_prox_run.  The
- * rule on one gate (gate_prox_one) is rule.h's, shared with the CUDA kernel. */
+ * name in cpu_f32.c and cpu_f64.c, as thin wrappers of gate_prox_run and
+ * gate_step_run.  The rules on one gate (gate_prox_one, gate_step_one) are
+ * rule.h's and step_rule.h's, shared with the CUDA kernels. */
 #ifndef REAL
 #error "define REAL (float or double) before including gate_prox/cpu_impl.h"
 #endif
@@ -16,6 +17,7 @@
 #include "comera/gate_prox.h"
 #include "common/threads.h"
 #include "gate_prox/rule.h"
+#include "gate_prox/step_rule.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -61,5 +63,55 @@ static int gate_prox_run(int64_t num_gates, REAL *const *gates, int8_t *const *s
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int64_t k = 0; k < num_gates; k++)
         live[k] = gate_prox_one(gates[k], signs[k], sizes[k], threshold, min_live, kill);
+    return COMERA_OK;
+}
+
+/* The tables of comera_gate_step_args, checked (the CUDA launcher checks alike). */
+static int gate_step_args_ok(const comera_gate_step_args *a) {
+    if (!a || a->num_gates < 0 || isnan(a->threshold) || a->min_live < 0) return 0;
+    if (a->num_gates == 0) return 1;
+    if (!a->gates || !a->signs || !a->sizes || !a->live || (a->grads && !a->saliency)) return 0;
+    if (a->nan_seen && !a->nan_gates) return 0;
+    for (int64_t k = 0; k < a->num_gates; k++) {
+        int64_t n = a->sizes[k];
+        if (n < 0 || (n > 0 && (!a->gates[k] || !a->signs[k]))) return 0;
+        if (n > 0 && a->grads && a->grads[k] && !a->saliency[k]) return 0;
+    }
+    return 1;
+}
+
+/* comera_gate_step_f32/_f64 (comera/gate_prox.h): the NaN pass over every
+ * gate first, then each gate's whole step on its own (step_rule.h). */
+static int gate_step_run(const comera_gate_step_args *a, int nthreads) {
+    if (!gate_step_args_ok(a)) return COMERA_ERR_ARG;
+    const int64_t num = a->num_gates;
+    if (num == 0) return COMERA_OK;
+    int64_t total = 0;
+    for (int64_t k = 0; k < num; k++) total += a->sizes[k];
+    int nt = gate_threads(nthreads, num, total);
+    REAL *const *gates = (REAL *const *)a->gates;
+    const REAL *const *grads = (const REAL *const *)a->grads;
+
+    int any_nan = 0;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(|| : any_nan)
+    for (int64_t k = 0; k < num; k++) {
+        int bad = gate_has_nan(gates[k], a->sizes[k]);
+        a->live[k] = bad ? -1 : 0;
+        any_nan = any_nan || bad;
+    }
+    if (any_nan) {
+        if (a->nan_seen && !*a->nan_seen) { /* the first NaN seen: which gates */
+            for (int64_t k = 0; k < num; k++) a->nan_gates[k] = a->live[k] < 0;
+            *a->nan_seen = 1;
+        }
+        return COMERA_GATE_NAN;
+    }
+    const REAL *amount = (a->frozen && *a->frozen) ? NULL : (const REAL *)a->amount;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t k = 0; k < num; k++)
+        a->live[k] = gate_step_one(gates[k], a->signs[k], grads ? grads[k] : NULL,
+                                   a->saliency ? a->saliency[k] : NULL, a->sizes[k],
+                                   amount ? amount + k : NULL, a->threshold, a->min_live,
+                                   a->kill);
     return COMERA_OK;
 }

@@ -1,7 +1,10 @@
 /* The fused gate proximal step (comera_gate_prox_f32/_f64) against a naive
  * per-entry transcription of the rule in comera/gate_prox.h: dead entries
  * re-zeroed, deaths by dead zone and by zero crossing, the min_live rescue,
- * kill = 0, NaN (nothing modified), argument errors, many gates on threads. */
+ * kill = 0, NaN (nothing modified), argument errors, many gates on threads.
+ * The whole gate step (comera_gate_step_f64) on worked cases: saliency,
+ * shrink, the rescue of the earlier of two tied entries, frozen, NaN.
+ * (tests/adapt/test_gate_step.py checks it against the tensor code.) */
 #include "reference.h"
 #include "comera/gate_prox.h"
 
@@ -131,6 +134,8 @@ static void test_nan_and_args(void) {
           "no gates is fine");
 }
 
+static void test_gate_step(void); /* below */
+
 void test_gate_prox(void) {
     group_begin("gate prox f32/f64 vs naive rule");
     static const int64_t small[] = {0, 1, 2, 7, 16, 33};
@@ -147,4 +152,47 @@ void test_gate_prox(void) {
     group_begin("gate prox NaN and argument errors");
     test_nan_and_args();
     group_end();
+    group_begin("gate step: saliency, shrink, tied rescue, frozen, NaN");
+    test_gate_step();
+    group_end();
+}
+
+/* One gate [0.3, -0.3, 0.1, 0.0] (signs 1, -1, 1, 0), gradient all 1,
+ * saliency 1, shrunk by 0.5 with min_live 1: every entry would die, so the
+ * earlier of the two largest (|0.3| tied) keeps its value and lives. */
+static void test_gate_step(void) {
+    double g[4] = {0.3, -0.3, 0.1, 0.0}, grad[4] = {1, 1, 1, 1}, sal[4] = {1, 1, 1, 1};
+    double amount = 0.5;
+    int8_t s[4] = {1, -1, 1, 0};
+    void *gp[1] = {g};
+    const void *grp[1] = {grad};
+    int8_t *sp[1] = {s};
+    double *salp[1] = {sal};
+    int64_t size = 4, live = 7;
+    uint8_t frozen = 0, nan_seen = 0, nan_gates = 0;
+    comera_gate_step_args a = {1, gp, sp, grp, salp, &size, &amount, &frozen, &nan_seen,
+                               &nan_gates, &live, 1e-3, 1, 1};
+    int rc = comera_gate_step_f64(&a, 1);
+    check(rc == COMERA_OK && live == 1, "gate step: rc %d live %lld", rc, (long long)live);
+    check(g[0] == 0.3 && g[1] == 0 && g[2] == 0 && g[3] == 0 && s[0] == 1 && s[1] == 0 &&
+              s[2] == 0 && s[3] == 0,
+          "gate step: rescue %g %g %g %g", g[0], g[1], g[2], g[3]);
+    check(sal[0] == fma(1.0 - 0.9, 0.3, 0.9) && sal[3] == 0.9, "gate step: saliency %.17g %.17g",
+          sal[0], sal[3]);
+    /* frozen: no shrink, only the rule (entry 0 lives on) */
+    frozen = 1;
+    g[0] = 0.2;
+    rc = comera_gate_step_f64(&a, 1);
+    check(rc == COMERA_OK && live == 1 && g[0] == 0.2, "gate step frozen: live %lld g %g",
+          (long long)live, g[0]);
+    /* NaN: nothing changes, the gate is recorded once */
+    g[1] = NAN;
+    s[1] = 1;
+    rc = comera_gate_step_f64(&a, 1);
+    check(rc == COMERA_GATE_NAN && live == -1 && nan_seen == 1 && nan_gates == 1 &&
+              g[0] == 0.2 && sal[3] == 0.81,
+          "gate step NaN: rc %d live %lld seen %d", rc, (long long)live, nan_seen);
+    a.threshold = NAN;
+    check(comera_gate_step_f64(&a, 1) == COMERA_ERR_ARG, "gate step: NaN threshold accepted");
+    check(comera_gate_step_f32(NULL, 1) == COMERA_ERR_ARG, "gate step: NULL arguments accepted");
 }

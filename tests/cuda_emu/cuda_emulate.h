@@ -4,7 +4,9 @@
  *
  * The kernels are written to need no shared memory, barriers or atomics
  * (see csrc/common/cuda_common.cuh), so running every (block, thread) pair
- * one after another, in any order, is exact; launch() shuffles the order.  cuBLAS and the runtime calls are emulated in
+ * one after another, in any order, is exact; launch() shuffles the order.
+ * The one-block kernels that meet at barriers (COMERA_LAUNCH_BLOCK) run
+ * their threads as host threads instead (launch_block).  cuBLAS and the runtime calls are emulated in
  * emu_runtime.cpp with their real signatures from the real headers. */
 #ifndef COMERA_CUDA_EMULATE_H
 #define COMERA_CUDA_EMULATE_H
@@ -12,14 +14,20 @@
 #define __global__
 #define __device__
 #define __host__
+#define __launch_bounds__(...)
 
 #include <vector_types.h>
 
 #include <functional>
 #include <vector>
 
-extern uint3 threadIdx, blockIdx;
-extern dim3 blockDim, gridDim;
+/* per host thread: a block launched by launch_block runs its threads side by side */
+extern thread_local uint3 threadIdx, blockIdx;
+extern thread_local dim3 blockDim, gridDim;
+
+/* The block barriers, for kernels launched by launch_block only. */
+void __syncthreads();
+int __syncthreads_or(int predicate);
 
 namespace comera_emu {
 /* What the emulated entry points have issued since the program started:
@@ -41,6 +49,9 @@ struct Counts {
 };
 extern Counts counts;
 void launch(unsigned grid, unsigned block, void *stream, const std::function<void()> &body);
+/* One block of `threads` threads, each a host thread, that may meet at
+ * __syncthreads / __syncthreads_or (COMERA_LAUNCH_BLOCK). */
+void launch_block(unsigned threads, void *stream, const std::function<void()> &body);
 }  // namespace comera_emu
 
 /* A workspace with guard bytes after it.  Every byte starts as 0xFF, which

@@ -10,14 +10,17 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
 
-uint3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
+thread_local uint3 threadIdx, blockIdx;
+thread_local dim3 blockDim, gridDim;
 
 namespace comera_emu {
 Counts counts = {0, 0, 0};
@@ -50,7 +53,53 @@ void launch(unsigned grid, unsigned block, void *, const std::function<void()> &
         body();
     }
 }
+
+// The barrier of the block that launch_block runs (one at a time): the last
+// thread to arrive publishes the OR of the predicates and opens the next round.
+struct BlockBarrier {
+    std::mutex m;
+    std::condition_variable cv;
+    unsigned threads = 0, waiting = 0;
+    unsigned long round = 0;
+    int pending = 0, result = 0;
+};
+static BlockBarrier block_barrier;
+
+static int block_sync(int predicate) {
+    BlockBarrier &b = block_barrier;
+    std::unique_lock<std::mutex> lock(b.m);
+    const unsigned long round = b.round;
+    b.pending |= predicate != 0;
+    if (++b.waiting == b.threads) {
+        b.result = b.pending;
+        b.pending = 0;
+        b.waiting = 0;
+        b.round++;
+        b.cv.notify_all();
+        return b.result;
+    }
+    b.cv.wait(lock, [&] { return b.round != round; });
+    return b.result;  // no later round can end before this thread arrives there
+}
+
+void launch_block(unsigned threads, void *, const std::function<void()> &body) {
+    counts.kernels++;
+    block_barrier.threads = threads;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; t++)
+        pool.emplace_back([t, threads, &body] {
+            gridDim = dim3(1, 1, 1);
+            blockDim = dim3(threads, 1, 1);
+            blockIdx = make_uint3(0, 0, 0);
+            threadIdx = make_uint3(t, 0, 0);
+            body();
+        });
+    for (std::thread &th : pool) th.join();
+}
 }  // namespace comera_emu
+
+void __syncthreads() { comera_emu::block_sync(0); }
+int __syncthreads_or(int predicate) { return comera_emu::block_sync(predicate); }
 
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 

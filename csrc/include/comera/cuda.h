@@ -84,6 +84,22 @@ int comera_gate_prox_cuda(int dtype, int64_t num_gates, void *const *gates,
                           int8_t *const *signs, const int64_t *sizes, double threshold,
                           int64_t min_live, int kill, int64_t *live, cudaStream_t stream);
 
+/* ---- the whole gate step (comera::gate_step_) ------------------------------
+ *
+ * comera_gate_step_f32/f64's step (comera/gate_prox.h) on device data, all
+ * gates of one dtype: the struct's tables (gates, signs, grads, saliency,
+ * sizes) are HOST arrays, of device pointers and of lengths, which reach the
+ * kernel by value as launch parameters; amount, frozen, nan_seen, nan_gates
+ * and live are device pointers.  Up to COMERA_GATE_STEP_CHUNK gates take ONE
+ * launch: one block, a thread per gate, the NaN check agreed on by the block
+ * (__syncthreads_or) before any thread writes.  40 bytes of parameters per
+ * gate: 20 KB for a full chunk, within the 32 KB that CUDA 12.1 allows from
+ * sm_70 on (the build targets sm_80 and later).  More gates take a NaN pass
+ * per chunk and then a step per chunk (each step reads every chunk's NaN
+ * flags from live).  No copy, no wait: graph-capturable. */
+#define COMERA_GATE_STEP_CHUNK 512
+int comera_gate_step_cuda(int dtype, const comera_gate_step_args *a, cudaStream_t stream);
+
 /* ---- TT embedding (comera::tt_embedding, tt_embedding_backward) ----------
  *
  * The lookups of comera_tt_embedding_fwd/bwd_* (tt_embedding.h) on device
