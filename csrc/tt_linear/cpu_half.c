@@ -8,7 +8,7 @@
  * Every product accumulates in float32 and reads and writes the tensors
  * where they lie (common/gemm_half.h): no copy of x, dy, y or dx in
  * another type is made (a float32 x is rounded block by block on its way
- * to the AMX tiles).
+ * to the AMX tiles, or read as it is by the float32 dot kernel for t).
  *
  * The algorithm is the float32 merge path (cpu_impl.h, docs/design.md
  * section 2) with its batch products in 16 bits:
@@ -122,12 +122,18 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
     int64_t blocks = (batch + rb - 1) / rb;
     int nt = comera_threads_for_items(nthreads, blocks);
     int64_t scratch = comera_hgemm_scratch(h, in > ku ? in : ku);
-    int64_t per = (rb * re * 2 + 63) / 64 * 64 + scratch * 4;
-    /* eff, P, [U; bias] (float32), packed V and U, per thread [t | 1] and
-     * the products' scratch: one reused block */
+    /* a float32 x at a rank the dot kernel suits: t = x V in float32 dot
+     * products from x as it lies (the 16-bit tiles would round x first and
+     * compute 16 or 32 columns for rm), then rounded to h */
+    int dot = xt == COMERA_DT_F32 && comera_gemm_dot_wins_f32(rm);
+    int64_t te = (rb * re * 2 + 63) / 64 * 64, tf = dot ? (rb * rm * 4 + 63) / 64 * 64 : 0;
+    int64_t per = te + tf + scratch * 4;
+    /* eff, P, [U; bias] (float32), packed V (or V^T for the dot kernel) and
+     * U, per thread [t | 1], float32 t and the products' scratch: one
+     * reused block */
     int64_t n[6] = {4 * s->core_off[s->D], 4 * s->P_off[s->D], bias ? 4 * re * out : 0,
-                    comera_hgemm_packed_bytes(h, in, rm), comera_hgemm_packed_bytes(h, ku, out),
-                    per * nt};
+                    dot ? 4 * rm * in : comera_hgemm_packed_bytes(h, in, rm),
+                    comera_hgemm_packed_bytes(h, ku, out), per * nt};
     int64_t off[6];
     int cached = 0;
     char *block = comera_ws_acquire((size_t)carve_bytes(6, n, off), &cached);
@@ -140,7 +146,11 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
     int rc = comera_tt_merges_f32(s, eff, P);
     if (!rc) {
         const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        comera_hgemm_pack_f32(h, in, rm, V, rm, 1, Vp);
+        if (dot)
+            for (int64_t c = 0; c < rm; c++)
+                for (int64_t i = 0; i < in; i++) ((float *)Vp)[c * in + i] = V[i * rm + c];
+        else
+            comera_hgemm_pack_f32(h, in, rm, V, rm, 1, Vp);
         if (bias) {
             /* [U; bias]: U's rows, then the bias as row rm */
             for (int64_t c = 0; c < rm; c++)
@@ -157,9 +167,14 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
             int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
             char *mine = ws + per * omp_get_thread_num();
             uint16_t *Te = (uint16_t *)mine, *tb = t + r0 * rm;
-            float *scr = (float *)(mine + (rb * re * 2 + 63) / 64 * 64);
+            float *tf32 = (float *)(mine + te), *scr = (float *)(mine + te + tf);
             const char *xb = (const char *)x + r0 * in * elem_bytes(xt);
-            comera_hgemm(h, nr, rm, in, xb, xt, in, Vp, tb, h, rm, COMERA_GEMM_STORE, scr);
+            if (dot) {
+                comera_gemm_dot_f32(nr, rm, in, (const float *)xb, in, Vp, in, tf32, rm, NULL);
+                for (int64_t i = 0; i < nr * rm; i++) tb[i] = comera_f32_to_half(h, tf32[i]);
+            } else {
+                comera_hgemm(h, nr, rm, in, xb, xt, in, Vp, tb, h, rm, COMERA_GEMM_STORE, scr);
+            }
             if (bias) {
                 ones_column(nr, rm, tb, one, Te);
                 comera_hgemm(h, nr, out, re, Te, h, re, Up, y + r0 * out, h, out, ymode, scr);

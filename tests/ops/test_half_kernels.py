@@ -166,13 +166,15 @@ def test_autocast_runs_16bit_kernels_on_a_float32_layer(dtype):
         assert rel_err(p.grad, g64) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("rank", [16, 10])
 @pytest.mark.parametrize("dtype", HALF)
-def test_autocast_takes_a_float32_input_as_it_is(dtype):
+def test_autocast_takes_a_float32_input_as_it_is(dtype, rank):
     """A float32 x (a layer norm's output, say) goes to the 16-bit kernels
     uncast; y in autocast's dtype as F.linear's, dx in float32 straight from
-    the kernel."""
-    layer = _layer(768, 3072, 16, True, torch.float32)
-    ref = _layer(768, 3072, 16, True, torch.float64)
+    the kernel.  Rank 10: t = x V by the float32 dot kernel where the
+    variant has one."""
+    layer = _layer(768, 3072, rank, True, torch.float32)
+    ref = _layer(768, 3072, rank, True, torch.float64)
     torch.manual_seed(3)
     x = torch.randn(256, 768, requires_grad=True)
     gy = torch.randn(256, 3072).to(dtype)
