@@ -41,7 +41,7 @@ COMERA_CUDA=1 "$venv/bin/python" setup.py -q build --build-base build/cuda-ext
 lib="$(ls -d build/cuda-ext/lib*)"
 (cd /tmp && PYTHONPATH="$root/$lib" "$venv/bin/python" - <<'PY'
 import torch, comera
-ops = ["tt_linear", "tt_linear_backward", "gate_prox_", "tt_embedding",
+ops = ["tt_linear", "tt_linear_backward", "gate_prox_", "gate_step_", "tt_embedding",
        "tt_embedding_backward", "tt_embedding_plan"]
 missing = [op for op in ops
            if not torch._C._dispatch_has_kernel_for_dispatch_key("comera::" + op, "CUDA")]

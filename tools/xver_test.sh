@@ -85,7 +85,7 @@ print(f"xver: {os.path.basename(sys.argv[1])} (built against torch 2.13) loaded 
 status = comera.cuda_kernels()
 if sys.argv[2] and torch.version.cuda is not None:
     assert status.startswith("loaded:"), status
-    ops = ["tt_linear", "tt_linear_backward", "gate_prox_", "tt_embedding",
+    ops = ["tt_linear", "tt_linear_backward", "gate_prox_", "gate_step_", "tt_embedding",
            "tt_embedding_backward", "tt_embedding_plan"]
     missing = [op for op in ops
                if not torch._C._dispatch_has_kernel_for_dispatch_key("comera::" + op, "CUDA")]
