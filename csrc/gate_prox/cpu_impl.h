@@ -66,20 +66,6 @@ static int gate_prox_run(int64_t num_gates, REAL *const *gates, int8_t *const *s
     return COMERA_OK;
 }
 
-/* The tables of comera_gate_step_args, checked (the CUDA launcher checks alike). */
-static int gate_step_args_ok(const comera_gate_step_args *a) {
-    if (!a || a->num_gates < 0 || isnan(a->threshold) || a->min_live < 0) return 0;
-    if (a->num_gates == 0) return 1;
-    if (!a->gates || !a->signs || !a->sizes || !a->live || (a->grads && !a->saliency)) return 0;
-    if (a->nan_seen && !a->nan_gates) return 0;
-    for (int64_t k = 0; k < a->num_gates; k++) {
-        int64_t n = a->sizes[k];
-        if (n < 0 || (n > 0 && (!a->gates[k] || !a->signs[k]))) return 0;
-        if (n > 0 && a->grads && a->grads[k] && !a->saliency[k]) return 0;
-    }
-    return 1;
-}
-
 /* comera_gate_step_f32/_f64 (comera/gate_prox.h): the NaN pass over every
  * gate first, then each gate's whole step on its own (step_rule.h). */
 static int gate_step_run(const comera_gate_step_args *a, int nthreads) {

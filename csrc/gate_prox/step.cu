@@ -129,28 +129,13 @@ template <typename T> int gate_step(const comera_gate_step_args *g, cudaStream_t
     return COMERA_OK;
 }
 
-// The checks of the C kernels' gate_step_args_ok (cpu_impl.h).
-bool step_args_ok(const comera_gate_step_args *a) {
-    if (!a || a->num_gates < 0 || a->threshold != a->threshold || a->min_live < 0) return false;
-    if (a->num_gates == 0) return true;
-    if (!a->gates || !a->signs || !a->sizes || !a->live || (a->grads && !a->saliency))
-        return false;
-    if (a->nan_seen && !a->nan_gates) return false;
-    for (int64_t k = 0; k < a->num_gates; k++) {
-        const int64_t n = a->sizes[k];
-        if (n < 0 || (n > 0 && (!a->gates[k] || !a->signs[k]))) return false;
-        if (n > 0 && a->grads && a->grads[k] && !a->saliency[k]) return false;
-    }
-    return true;
-}
-
 }  // namespace
 }  // namespace comera_cuda
 
 extern "C" int comera_gate_step_cuda(int dtype, const comera_gate_step_args *a,
                                      cudaStream_t stream) {
     using namespace comera_cuda;
-    if (!step_args_ok(a)) return COMERA_ERR_ARG;
+    if (!gate_step_args_ok(a)) return COMERA_ERR_ARG;
     if (a->num_gates == 0) return COMERA_OK;
     switch (dtype) {
         case COMERA_DT_F32: return gate_step<float>(a, stream);

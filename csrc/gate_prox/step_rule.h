@@ -9,7 +9,23 @@
 #ifndef COMERA_GATE_STEP_RULE_H
 #define COMERA_GATE_STEP_RULE_H
 
+#include "comera/gate_prox.h"
 #include "gate_prox/rule.h"
+
+/* The tables of comera_gate_step_args, checked before either kernel runs
+ * (host code, one text for the C entry points and the CUDA launcher). */
+static inline int gate_step_args_ok(const comera_gate_step_args *a) {
+    if (!a || a->num_gates < 0 || a->threshold != a->threshold || a->min_live < 0) return 0;
+    if (a->num_gates == 0) return 1;
+    if (!a->gates || !a->signs || !a->sizes || !a->live || (a->grads && !a->saliency)) return 0;
+    if (a->nan_seen && !a->nan_gates) return 0;
+    for (int64_t k = 0; k < a->num_gates; k++) {
+        int64_t n = a->sizes[k];
+        if (n < 0 || (n > 0 && (!a->gates[k] || !a->signs[k]))) return 0;
+        if (n > 0 && a->grads && a->grads[k] && !a->saliency[k]) return 0;
+    }
+    return 1;
+}
 
 /* The saliency's running average keeps this much of its past
  * (comera/adapt/step.py SALIENCY_DECAY); the new term weighs 1 - it. */
