@@ -181,4 +181,85 @@ void comera_tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
                   ct);
     else avx2_forms(AVX2_PF_NONE, K, A, rsa, csa, B, rsb, psb, C, ldc, mr, nr, accumulate, ct);
 }
+/* ---- C (M x N, float32) += A^T B summed over `rows` rows: A float32
+ * (rows x M, row stride lda: the small [t 1] or S of a block), B of type
+ * bt (bfloat16, float16 or float32; rows x N, row stride ldb: a block of
+ * x or dy) widened 8 columns at a time as it is read, so the block needs no
+ * packing pass of its own.  Groups of at most 6 rows of C by 16 columns:
+ * 12 accumulators, 2 B vectors and a broadcast. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m256 outer_widen8(int bt, const void *B, int64_t off) {
+    if (bt == COMERA_DT_F32) return _mm256_loadu_ps((const float *)B + off);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)B + off));
+    if (bt == COMERA_DT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void outer_avx2_tile(int ROWS, int bt, int64_t rows, const float *A, int64_t lda,
+                                   const void *B, int64_t ldb, float *C, int64_t ldc) {
+    __m256 lo[6], hi[6];
+#pragma GCC unroll 6
+    for (int c = 0; c < ROWS; c++) {
+        lo[c] = _mm256_loadu_ps(C + c * ldc);
+        hi[c] = _mm256_loadu_ps(C + c * ldc + 8);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        __m256 b0 = outer_widen8(bt, B, i * ldb), b1 = outer_widen8(bt, B, i * ldb + 8);
+#pragma GCC unroll 6
+        for (int c = 0; c < ROWS; c++) {
+            __m256 a = _mm256_broadcast_ss(A + i * lda + c);
+            lo[c] = _mm256_fmadd_ps(a, b0, lo[c]);
+            hi[c] = _mm256_fmadd_ps(a, b1, hi[c]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int c = 0; c < ROWS; c++) {
+        _mm256_storeu_ps(C + c * ldc, lo[c]);
+        _mm256_storeu_ps(C + c * ldc + 8, hi[c]);
+    }
+}
+
+/* One group of rc (1..6) rows of C over its whole width; the last N % 16
+ * columns in plain loops. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void outer_avx2_group(int bt, int rc, int64_t N, int64_t rows, const float *A,
+                                    int64_t lda, const void *B, int64_t ldb, float *C,
+                                    int64_t ldc) {
+    int64_t esize = bt == COMERA_DT_F32 ? 4 : 2, j = 0;
+    for (; j + 16 <= N; j += 16) {
+        const void *Bj = (const char *)B + j * esize;
+        switch (rc) {
+        case 6: outer_avx2_tile(6, bt, rows, A, lda, Bj, ldb, C + j, ldc); break;
+        case 5: outer_avx2_tile(5, bt, rows, A, lda, Bj, ldb, C + j, ldc); break;
+        case 4: outer_avx2_tile(4, bt, rows, A, lda, Bj, ldb, C + j, ldc); break;
+        case 3: outer_avx2_tile(3, bt, rows, A, lda, Bj, ldb, C + j, ldc); break;
+        case 2: outer_avx2_tile(2, bt, rows, A, lda, Bj, ldb, C + j, ldc); break;
+        default: outer_avx2_tile(1, bt, rows, A, lda, Bj, ldb, C + j, ldc); break;
+        }
+    }
+    for (int64_t i = 0; i < rows && j < N; i++)
+        for (int64_t jj = j; jj < N; jj++) {
+            float b = bt == COMERA_DT_F32 ? ((const float *)B)[i * ldb + jj]
+                                          : comera_half_to_f32(bt, ((const uint16_t *)B)[i * ldb + jj]);
+            for (int c = 0; c < rc; c++) C[c * ldc + jj] += A[i * lda + c] * b;
+        }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void comera_outer_avx2(int bt, int64_t M, int64_t N, int64_t rows, const float *A, int64_t lda,
+                       const void *B, int64_t ldb, float *C, int64_t ldc) {
+    /* row groups of at most 6, as even as possible */
+    int64_t groups = (M + 5) / 6, base = M / groups, extra = M % groups, c0 = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        int rc = (int)(g < extra ? base + 1 : base);
+        if (bt == COMERA_DT_BF16)
+            outer_avx2_group(COMERA_DT_BF16, rc, N, rows, A + c0, lda, B, ldb, C + c0 * ldc, ldc);
+        else if (bt == COMERA_DT_F16)
+            outer_avx2_group(COMERA_DT_F16, rc, N, rows, A + c0, lda, B, ldb, C + c0 * ldc, ldc);
+        else
+            outer_avx2_group(COMERA_DT_F32, rc, N, rows, A + c0, lda, B, ldb, C + c0 * ldc, ldc);
+        c0 += rc;
+    }
+}
 #endif

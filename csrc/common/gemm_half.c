@@ -5,6 +5,7 @@
 #include "common/gemm_half.h"
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
+#include "common/half.h"
 
 int comera_hgemm_pairs(int h) {
     return h == COMERA_DT_BF16 && comera_gemm_variant_in_use()->pairs != NULL;
@@ -59,4 +60,32 @@ void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at,
             comera_amx_narrow((const float *)A + (i0 + i) * lda, rows + i * K, K);
         pairs(mr, N, K, rows, K, Bp, (char *)C + i0 * ldc * esize, ct, ldc, mode);
     }
+}
+
+void comera_hgemm_dot(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                      const float *Bt, int64_t ldb, void *C, int ct, int64_t ldc,
+                      float *scratch) {
+    const comera_gemm_variant *v = comera_gemm_variant_in_use();
+    int64_t esize = ct == COMERA_DT_F32 ? 4 : 2;
+    float sums[12 * 64]; /* mr <= 12 rows of N <= 64 (comera_gemm_dot_wins_f32) */
+    for (int64_t i0 = 0; i0 < M; i0 += v->mr) {
+        int64_t mr = M - i0 < v->mr ? M - i0 : v->mr;
+        for (int64_t i = 0; i < mr; i++) v->widen(h, A + (i0 + i) * lda, scratch + i * K, K);
+        float *out = ct == COMERA_DT_F32 ? (float *)C + i0 * ldc : sums;
+        int64_t ldo = ct == COMERA_DT_F32 ? ldc : N;
+        comera_gemm_dot_f32(mr, N, K, scratch, K, Bt, ldb, out, ldo, NULL);
+        if (ct == COMERA_DT_F32) continue;
+        uint16_t *Ch = (uint16_t *)((char *)C + i0 * ldc * esize);
+        for (int64_t i = 0; i < mr; i++)
+            for (int64_t j = 0; j < N; j++) Ch[i * ldc + j] = comera_f32_to_half(ct, sums[i * N + j]);
+    }
+}
+
+int comera_hgemm_outer_usable(int h) {
+    return !comera_hgemm_pairs(h) && comera_gemm_variant_in_use()->outer != NULL;
+}
+
+void comera_hgemm_outer(int bt, int64_t M, int64_t N, int64_t rows, const float *A, int64_t lda,
+                        const void *B, int64_t ldb, float *C, int64_t ldc) {
+    comera_gemm_variant_in_use()->outer(bt, M, N, rows, A, lda, B, ldb, C, ldc);
 }

@@ -44,4 +44,25 @@ int64_t comera_hgemm_scratch(int h, int64_t K);
 void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at, int64_t lda,
                   const void *Bp, void *C, int ct, int64_t ldc, int mode, float *scratch);
 
+/* C (M x N, element type ct: h or float32; row stride ldc) = A Bt^T as
+ * dot products along K on the variant's float32 dot kernel, for products
+ * only the rank wide where comera_gemm_dot_wins_f32(N) (N <= 64): A of
+ * type h (row-major, row stride lda) widened a row group at a time into
+ * scratch (comera_hgemm_scratch(h, K) floats), Bt float32 (N x K, row
+ * stride ldb).  For the variants without bfloat16-pair kernels. */
+void comera_hgemm_dot(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
+                      const float *Bt, int64_t ldb, void *C, int ct, int64_t ldc,
+                      float *scratch);
+
+/* 1 when products of type h have the variant's unpacked outer-product sum
+ * (comera_hgemm_outer; avx2): the weight gradients then read their block
+ * of x or dy as it lies, widened in registers. */
+int comera_hgemm_outer_usable(int h);
+
+/* C (M x N float32, row stride ldc) += A^T B over `rows` rows: A float32
+ * (rows x M, row stride lda), B of type bt (h or float32; rows x N, row
+ * stride ldb).  Only where comera_hgemm_outer_usable(h). */
+void comera_hgemm_outer(int bt, int64_t M, int64_t N, int64_t rows, const float *A, int64_t lda,
+                        const void *B, int64_t ldb, float *C, int64_t ldc);
+
 #endif

@@ -53,6 +53,12 @@ typedef void (*comera_pairs_gemm)(int64_t M, int64_t N, int64_t K, const uint16_
                                   int64_t lda, const uint16_t *Bp, void *C, int ct, int64_t ldc,
                                   int mode);
 
+/* C (M x N float32, row stride ldc) += A^T B over `rows` rows: A float32
+ * (rows x M, row stride lda), B of type bt (bfloat16, float16 or float32;
+ * rows x N, row stride ldb) widened as it is read. */
+typedef void (*comera_outer_fn)(int bt, int64_t M, int64_t N, int64_t rows, const float *A,
+                                int64_t lda, const void *B, int64_t ldb, float *C, int64_t ldc);
+
 typedef struct comera_gemm_variant {
     const char *name; /* "amx", "avx512bf16", "avx512", "avx2" or "generic" */
     const char *f32;  /* the float32 tile's own name ("avx512" for amx, avx512bf16) */
@@ -65,6 +71,9 @@ typedef struct comera_gemm_variant {
     /* bfloat16 products on AMX tiles or VDPBF16PS tiles, or NULL: on the
      * float32 tile like float16 */
     comera_pairs_gemm pairs;
+    /* the 16-bit weight gradients without packing their B (measured faster
+     * on avx2), or NULL: packed B on the float32 tile */
+    comera_outer_fn outer;
 } comera_gemm_variant;
 
 /* Helpers of the tiles (common/gemm_isa.c). */
@@ -88,6 +97,8 @@ void comera_tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa, const
 void comera_widen_avx2(int dt, const uint16_t *src, float *dst, int64_t n);
 void comera_pack_half_avx2(int dt, int64_t K, int64_t N, const uint16_t *B, int64_t ldb,
                            float *packed);
+void comera_outer_avx2(int bt, int64_t M, int64_t N, int64_t rows, const float *A, int64_t lda,
+                       const void *B, int64_t ldb, float *C, int64_t ldc);
 
 /* The AVX2 and AVX-512 dot-product kernels (common/gemm_dot.c). */
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,

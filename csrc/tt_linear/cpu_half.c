@@ -124,6 +124,13 @@ static int use_hnarrow(int h, int64_t rm) {
     return rm <= HNARROW_MAX_RANK && comera_hnarrow_usable(h);
 }
 
+/* x V and dy U^T as float32 dot products over widened rows of x and dy
+ * (comera_hgemm_dot) on a variant without pair kernels for h, at the
+ * ranks where the float32 path takes its dot kernel. */
+static int use_widened_dot(int h, int64_t rm) {
+    return !comera_hgemm_pairs(h) && comera_gemm_dot_wins_f32(rm);
+}
+
 static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const void *x,
                     const void *const *cores, const void *const *gates, const void *bias,
                     uint16_t *y, uint16_t *t, int nthreads) {
@@ -141,13 +148,18 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
     /* a 16-bit x on the narrow bfloat16 kernel: t = x V^T's rows, read as
      * they lie */
     int hdot = xt == h && use_hnarrow(h, rm);
+    /* elsewhere, without pair kernels: x widened a row group at a time and
+     * t in float32 dot products, as for a float32 x */
+    int wdot = xt == h && !hdot && use_widened_dot(h, rm);
     int64_t te = (rb * re * 2 + 63) / 64 * 64, tf = dot ? (rb * rm * 4 + 63) / 64 * 64 : 0;
     int64_t per = te + tf + scratch * 4;
     /* eff, P, [U; bias] (float32), packed V (or V^T for the dot kernel) and
      * U, per thread [t | 1], float32 t and the products' scratch: one
      * reused block */
     int64_t n[6] = {4 * s->core_off[s->D], 4 * s->P_off[s->D], bias ? 4 * re * out : 0,
-                    dot ? 4 * rm * in : hdot ? 2 * rm * in : comera_hgemm_packed_bytes(h, in, rm),
+                    dot || wdot ? 4 * rm * in
+                    : hdot      ? 2 * rm * in
+                                : comera_hgemm_packed_bytes(h, in, rm),
                     comera_hgemm_packed_bytes(h, ku, out), per * nt};
     int64_t off[6];
     int cached = 0;
@@ -161,7 +173,7 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
     int rc = comera_tt_merges_f32(s, eff, P);
     if (!rc) {
         const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
-        if (dot)
+        if (dot || wdot)
             for (int64_t c = 0; c < rm; c++)
                 for (int64_t i = 0; i < in; i++) ((float *)Vp)[c * in + i] = V[i * rm + c];
         else if (hdot)
@@ -191,6 +203,8 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
             if (dot) {
                 comera_gemm_dot_f32(nr, rm, in, (const float *)xb, in, Vp, in, tf32, rm, NULL);
                 for (int64_t i = 0; i < nr * rm; i++) tb[i] = comera_f32_to_half(h, tf32[i]);
+            } else if (wdot) {
+                comera_hgemm_dot(h, nr, rm, in, (const uint16_t *)xb, in, Vp, in, tb, h, rm, scr);
             } else if (hdot) {
                 comera_hdot_bf16(nr, rm, in, (const uint16_t *)xb, in, Vp, in, tb, h, rm, NULL, 0);
             } else {
@@ -232,21 +246,49 @@ static void bwd_half_block_narrow(const tt_shape *s, int xt, int64_t nr, const u
     comera_houter_bf16(rm, in, nr, pairs, xt, xb, in, w->dVt, in);
 }
 
+/* The weight-gradient products of a block on the variant's outer-product
+ * sum (comera_hgemm_outer): [t 1] and S widened to float32 (small), the
+ * blocks of dy and x read as they lie.  Each group of 6 rank rows reads
+ * the block again: past rank 16 packing it once for the tiles measured as
+ * fast or faster (AVX2 variant, 768 -> 768, float32 x under autocast). */
+#define OUTER_MAX_RANK 16
+static void bwd_half_block_outer(const tt_shape *s, int h, int xt, int64_t nr,
+                                 const uint16_t *dyb, const void *xb, const uint16_t *tb,
+                                 const half_ws *w) {
+    int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
+    float *a = (float *)w->Bp;
+    for (int64_t i = 0; i < nr; i++) {
+        for (int64_t c = 0; c < rm; c++) a[i * re + c] = comera_half_to_f32(h, tb[i * rm + c]);
+        a[i * re + rm] = 1.0f;
+    }
+    comera_hgemm_outer(h, re, out, nr, a, re, dyb, out, w->dUe, out);
+    for (int64_t i = 0; i < nr * rm; i++) a[i] = comera_half_to_f32(h, w->S[i]);
+    comera_hgemm_outer(xt, rm, in, nr, a, rm, xb, in, w->dVt, in);
+}
+
 /* One row block; x and dx of type xt.  Ub: U as bfloat16 rows (r x out)
- * for the narrow kernels, or NULL. */
+ * for the narrow kernels, or U (float32, row stride out_pad) for the
+ * widened dot products, or neither (NULL). */
 static void bwd_half_block(const tt_shape *s, int h, int xt, int64_t rb, int64_t nr,
                            const uint16_t *dyb, const void *xb, const uint16_t *tb,
-                           const void *UTp, const uint16_t *Ub, const void *VTp, void *dxb,
-                           int dxmode, uint16_t one, const half_ws *w) {
+                           const void *UTp, const uint16_t *Ub, const float *U,
+                           const void *VTp, void *dxb, int dxmode, uint16_t one,
+                           const half_ws *w) {
     int64_t in = s->in, out = s->out, rm = s->rmid, re = rm + 1;
     if (Ub)
         comera_hdot_bf16(nr, rm, out, dyb, out, Ub, out, w->S, h, rm, xb,
                          in * elem_bytes(xt));
+    else if (U)
+        comera_hgemm_dot(h, nr, rm, out, dyb, out, U, s->out_pad, w->S, h, rm, w->scr);
     else
         comera_hgemm(h, nr, rm, out, dyb, h, out, UTp, w->S, h, rm, COMERA_GEMM_STORE, w->scr);
     if (dxb) comera_hgemm(h, nr, in, rm, w->S, h, rm, VTp, dxb, xt, in, dxmode, w->scr);
     if (Ub) {
         bwd_half_block_narrow(s, xt, nr, dyb, xb, tb, w);
+        return;
+    }
+    if (rm <= OUTER_MAX_RANK && comera_hgemm_outer_usable(h)) {
+        bwd_half_block_outer(s, h, xt, nr, dyb, xb, tb, w);
         return;
     }
     /* the weight-gradient products run along the block's rows: their A
@@ -277,11 +319,12 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
     int64_t xe = elem_bytes(xt);
     int narrow = use_hnarrow(h, rm);
     /* per thread: dUe, dVt (float32), S, [t | 1]^T, S^T (16-bit), a packed
-     * block (the narrow kernels' row pairs), the products' scratch */
+     * block (the narrow kernels' row pairs, the outer sums' float32 A),
+     * the products' scratch */
+    int64_t packed = comera_hgemm_packed_bytes(h, rb, in > out ? in : out);
+    if (packed < 4 * rb * re) packed = 4 * rb * re; /* the outer sums' float32 [t 1] */
     int64_t pn[7] = {4 * re * out, 4 * rm * in, 2 * rb * rm, 2 * re * rb, 2 * rm * rb,
-                     narrow ? 4 * ((rb + 1) / 2) * re
-                            : comera_hgemm_packed_bytes(h, rb, in > out ? in : out),
-                     4 * comera_hgemm_scratch(h, kmax)};
+                     narrow ? 4 * ((rb + 1) / 2) * re : packed, 4 * comera_hgemm_scratch(h, kmax)};
     int64_t po[7];
     int64_t per = carve_bytes(7, pn, po);
     /* eff, deff, P, dP (float32), packed U^T (narrow: U in bfloat16 rows)
@@ -310,6 +353,7 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
     if (!rc) {
         const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         uint16_t *Ub = narrow ? (uint16_t *)UTp : NULL;
+        const float *Uw = !narrow && use_widened_dot(h, rm) ? U : NULL;
         if (narrow)
             for (int64_t c = 0; c < rm; c++)
                 for (int64_t j = 0; j < out; j++)
@@ -331,7 +375,8 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
             for (int64_t b = tid; b < blocks; b += team) {
                 int64_t r0 = b * rb, nr = batch - r0 < rb ? batch - r0 : rb;
                 bwd_half_block(s, h, xt, rb, nr, dy + r0 * out, (const char *)x + r0 * in * xe,
-                               t + r0 * rm, UTp, Ub, VTp, dx ? (char *)dx + r0 * in * xe : NULL,
+                               t + r0 * rm, UTp, Ub, Uw, VTp,
+                               dx ? (char *)dx + r0 * in * xe : NULL,
                                dxmode, one, &w);
             }
         }

@@ -378,6 +378,7 @@ static void test_nested(void) {
 void test_check_and_plan(void); /* test_check.c */
 void test_half(const tt_case *cases, int ncases); /* test_half.c */
 void test_hnarrow(void);                            /* test_hnarrow.c */
+void test_hgemm_narrow(void);                       /* test_hnarrow.c */
 void test_gate_prox(void);      /* test_rank_adaptive.c */
 void test_pages(void);          /* test_pages.c */
 void test_outpool(void);        /* test_outpool.c */
@@ -390,6 +391,7 @@ int main(void) {
     for (int ci = 0; ci < NCASES; ci++) test_case(&CASES[ci], 1234 + (uint64_t)ci);
     test_half(CASES, NCASES);
     test_hnarrow();
+    test_hgemm_narrow();
     test_fd();
     test_nested();
     test_gate_prox();
