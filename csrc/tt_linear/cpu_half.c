@@ -108,6 +108,15 @@ static void transpose_half(int64_t nr, int64_t cols, const uint16_t *src, uint16
         for (int64_t c = 0; c < cols; c++) dst[c * ld + i] = src[i * cols + c];
 }
 
+/* dst (rows x cols, type h, row-major) = src rounded, element (r, c) at
+ * src[r * rs + c * cs]: V^T or U as the narrow kernels' bfloat16 rows. */
+static void rounded_rows(int h, int64_t rows, int64_t cols, const float *src, int64_t rs,
+                         int64_t cs, uint16_t *dst) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            dst[r * cols + c] = comera_f32_to_half(h, src[r * rs + c * cs]);
+}
+
 /* Bytes of an element of type dt. */
 static int64_t elem_bytes(int dt) {
     return dt == COMERA_DT_F32 ? 4 : 2;
@@ -177,9 +186,7 @@ static int fwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
             for (int64_t c = 0; c < rm; c++)
                 for (int64_t i = 0; i < in; i++) ((float *)Vp)[c * in + i] = V[i * rm + c];
         else if (hdot)
-            for (int64_t c = 0; c < rm; c++)
-                for (int64_t i = 0; i < in; i++)
-                    ((uint16_t *)Vp)[c * in + i] = comera_f32_to_half(h, V[i * rm + c]);
+            rounded_rows(h, rm, in, V, 1, rm, Vp);
         else
             comera_hgemm_pack_f32(h, in, rm, V, rm, 1, Vp);
         if (bias) {
@@ -327,8 +334,8 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
                      narrow ? 4 * ((rb + 1) / 2) * re : packed, 4 * comera_hgemm_scratch(h, kmax)};
     int64_t po[7];
     int64_t per = carve_bytes(7, pn, po);
-    /* eff, deff, P, dP (float32), packed U^T (narrow: U in bfloat16 rows)
-     * and V^T, the threads' pieces */
+    /* eff, deff, P, dP (float32), packed U^T (narrow: U in bfloat16 rows;
+     * unused by the widened dot products) and V^T, the threads' pieces */
     int64_t n[7] = {4 * s->core_off[s->D], 4 * s->core_off[s->D], 4 * s->P_off[s->D],
                     4 * s->P_off[s->D],
                     narrow ? 2 * rm * out : comera_hgemm_packed_bytes(h, out, rm),
@@ -354,12 +361,8 @@ static int bwd_half(const comera_tt_linear_prep *p, int h, int pt, int xt, const
         const float *V = P + s->P_off[s->p - 1], *U = P + s->P_off[s->D - 1];
         uint16_t *Ub = narrow ? (uint16_t *)UTp : NULL;
         const float *Uw = !narrow && use_widened_dot(h, rm) ? U : NULL;
-        if (narrow)
-            for (int64_t c = 0; c < rm; c++)
-                for (int64_t j = 0; j < out; j++)
-                    Ub[c * out + j] = comera_f32_to_half(h, U[c * s->out_pad + j]);
-        else
-            comera_hgemm_pack_f32(h, out, rm, U, 1, s->out_pad, UTp);
+        if (narrow) rounded_rows(h, rm, out, U, s->out_pad, 1, Ub);
+        else if (!Uw) comera_hgemm_pack_f32(h, out, rm, U, 1, s->out_pad, UTp);
         comera_hgemm_pack_f32(h, rm, in, V, 1, rm, VTp);
         int dxmode = comera_gemm_store_mode(batch * in * xe);
         uint16_t one = comera_f32_to_half(h, 1.0f);
