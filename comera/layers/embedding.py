@@ -274,8 +274,8 @@ class TTEmbedding(TTLayerMixin, nn.Module):
         Bag modes: as :meth:`torch.nn.EmbeddingBag.forward`."""
         cores, gates = cores_and_gates(self)
         if (offsets is None and per_sample_weights is None and self.mode is None
-                and isinstance(input, torch.Tensor) and input.dtype in _INDEX_DTYPES
-                and input.device == cores[0].device):  # a plain lookup, checked
+                and isinstance(input, torch.Tensor) and input.dtype in _INDEX_DTYPES):
+            # a plain lookup (tt_embedding_rows checks the devices)
             return tt_embedding_rows(input, cores, gates, self.num_embeddings,
                                      self.embedding_dim, self.padding_idx, self.reuse,
                                      self.capturable)

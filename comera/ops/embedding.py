@@ -388,9 +388,9 @@ def tt_embedding_rows(input: torch.Tensor, cores: List[torch.Tensor],
                       padding_idx: Optional[int] = None, reuse: str = "auto",
                       capturable: bool = False) -> torch.Tensor:
     """:func:`tt_embedding` in plain mode for a caller that has checked its
-    own arguments once (``TTEmbedding``): ``input`` an int64/int32 tensor on
-    the cores' device.  The same result in fewer steps: a one-token lookup
-    is mostly per-call overhead.
+    own arguments once (``TTEmbedding``): ``input`` an int64/int32 tensor.
+    The same result in fewer steps when ``input`` and the cores are on the
+    CPU: a one-token lookup is mostly per-call overhead.
 
     Example:
         >>> import torch, comera
@@ -401,7 +401,8 @@ def tt_embedding_rows(input: torch.Tensor, cores: List[torch.Tensor],
         >>> torch.equal(tt_embedding_rows(idx, *args), comera.ops.tt_embedding(idx, *args))
         True
     """
-    if cores[0].dtype in _HALF or not input.is_cpu:  # casts, device checks: the full path
+    core = cores[0]
+    if core.dtype in _HALF or not (input.is_cpu and core.is_cpu):  # casts, device checks
         return tt_embedding(input, cores, gates, num_embeddings, embedding_dim,
                             padding_idx=padding_idx, reuse=reuse, capturable=capturable)
     flat = input if input.dim() == 1 else input.reshape(-1)

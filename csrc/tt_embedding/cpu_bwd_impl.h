@@ -304,8 +304,8 @@ static int emb_bwd(const emb_shape *s, const comera_tt_embedding_batch *b,
     }
     for (int k = 0; k < d; k++)
         memset(dcores[k], 0, sizeof(REAL) * (size_t)(s->core_off[k + 1] - s->core_off[k]));
-    emb_gated_core0(s, cores, gates, eff);
     slice_used = comera_emb_used_slices(s, &rows);
+    emb_gated_core0(s, cores, gates, slice_used, eff);
     rc = emb_pack(s, cores, gates, slice_used, pf, pb, nthreads);
     if (rc) goto done;
     if (bag) emb_bag_scales(s, b, psw, bag_of, scale);

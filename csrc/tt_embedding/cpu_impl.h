@@ -33,12 +33,19 @@ static inline void prefetch_row(const REAL *row, int64_t n, int write) {
     }
 }
 
-/* Core 0 times gate 0: its slices are the rows' first partial products. */
+/* Core 0 times gate 0: its slices are the rows' first partial products.
+ * Only the slices flagged in `used` (all when it is NULL:
+ * comera_emb_used_slices) are made: a few-token lookup reads a few. */
 static void emb_gated_core0(const emb_shape *s, const REAL *const *cores,
-                            const REAL *const *gates, REAL *eff0) {
-    int64_t cols = s->r[1], rows = s->core_off[1] / cols;
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < cols; j++) eff0[i * cols + j] = cores[0][i * cols + j] * gates[0][j];
+                            const REAL *const *gates, const unsigned char *used, REAL *eff0) {
+    int64_t cols = s->r[1], n = s->e[0] * cols; /* core 0 is (1, v_0, e_0, r_1) */
+    const REAL *restrict c0 = cores[0], *restrict g0 = gates[0];
+    REAL *restrict e = eff0; /* restrict: the loop vectorizes */
+    for (int64_t i = 0; i < s->v[0]; i++) {
+        if (used && !used[i]) continue;
+        for (int64_t x = i * n; x < (i + 1) * n; x += cols)
+            for (int64_t j = 0; j < cols; j++) e[x + j] = c0[x + j] * g0[j];
+    }
 }
 
 /* In place: dcores[k] holds the gradient of the gated core k on entry and
@@ -109,7 +116,7 @@ static void emb_pack_slices(void *arg, int tid, int team) {
             for (int64_t n0 = 0; n0 < N; n0 += rr)
                 for (int64_t c = 0; c < rr; c++) dst[n0 + c] = src[n0 + c] * j->g[c];
         }
-        gemm_pack_b(K, N, slice, N, 1, j->pf + s->pf_off[k] + i * s->pf_size[k]);
+        if (j->pf) gemm_pack_b(K, N, slice, N, 1, j->pf + s->pf_off[k] + i * s->pf_size[k]);
         if (j->pb)
             gemm_pack_b(N, K, slice, 1, N, j->pb + s->pb_off[k] + i * s->pb_size[k]);
     }
@@ -120,10 +127,13 @@ static int emb_pack(const emb_shape *s, const REAL *const *cores, const REAL *co
                     const unsigned char *used, REAL *pf, REAL *pb, int nthreads) {
     int64_t used_off = s->v[0];
     for (int k = 1; k < s->d; used_off += s->v[k], k++) {
+        /* the last level's forward slices serve only a straight (not
+         * transposed) forward; the backward never recomputes that level */
+        int no_pf = k == s->d - 1 && (pb || s->last_t);
         emb_pack_job job = {.s = s, .k = k, .use = used ? used + used_off : NULL,
                             .core = cores[k], .g = k < s->d - 1 ? gates[k] : NULL,
-                            .pf = pf, .pb = pb, .rc = COMERA_OK};
-        double flops = (double)(s->pf_size[k] + (pb ? s->pb_size[k] : 0));
+                            .pf = no_pf ? NULL : pf, .pb = pb, .rc = COMERA_OK};
+        double flops = (double)((no_pf ? 0 : s->pf_size[k]) + (pb ? s->pb_size[k] : 0));
         comera_run_team(comera_threads_for_work(nthreads, s->v[k], flops), emb_pack_slices,
                         &job);
         if (job.rc) return job.rc;
@@ -137,6 +147,10 @@ typedef struct emb_ctx {
     const REAL *eff;      /* gated core 0 */
     const REAL *pf, *pb;  /* packed slices of cores 1..d-1 */
     const REAL *last;     /* core d-1 itself, for the transposed last level */
+    const REAL *const *cores, *const *gates; /* read in place when `direct` */
+    int direct;           /* levels 1..d-1 read their slices in place, unpacked */
+    REAL *tail;           /* direct: a zero-padded last column panel (gemm_rows) */
+    REAL *gated;          /* direct: a slice of core k >= 2 times gate k-1 */
     REAL *state;          /* R_k, k = 1..d-2 */
     REAL *acc;            /* dR_k, k = 0..d-2 (backward) */
     REAL *pack;           /* a packed dR_k (backward) */
@@ -169,6 +183,16 @@ static int64_t emb_ctx_init(emb_ctx *c, const emb_shape *s, REAL *ws, int backwa
     off += s->t_pack;
     c->tout = ws ? ws + off : NULL;
     off += s->t_out;
+    int64_t rmax = 1, slice_max = 1;
+    for (int k = 1; k < d; k++) {
+        if (s->r[k] > rmax) rmax = s->r[k];
+        if (k >= 2 && s->r[k] * s->e[k] * s->r[k + 1] > slice_max)
+            slice_max = s->r[k] * s->e[k] * s->r[k + 1];
+    }
+    c->tail = ws ? ws + off : NULL;
+    off += rmax * COMERA_GEMM_NR;
+    c->gated = ws ? ws + off : NULL;
+    off += slice_max;
     return off;
 }
 
@@ -207,19 +231,42 @@ static void emb_last_fwd_t(const emb_ctx *c, const int64_t *idx, REAL *dst) {
         for (int64_t j = 0; j < N; j++) dst[m * N + j] = c->tout[j * M + m];
 }
 
+/* Level k with the slice of core k read where it lies (its rows v_k e_k
+ * r_{k+1} apart): for a few rows, packing a slice costs more than its one
+ * use.  The states stay ungated: level k >= 2 takes gate k-1 on its slice's
+ * rows, R_{k-1} diag(g_{k-1}) C_k[:, i_k], in a copy as large as the slice
+ * (scaling the state just written instead stalls on its stores). */
+static void emb_level_direct(const emb_ctx *c, const int64_t *idx, int k, REAL *C) {
+    const emb_shape *s = c->s;
+    int64_t N = s->e[k] * s->r[k + 1], K = s->r[k], ldb = s->v[k] * N;
+    const REAL *B = c->cores[k] + idx[k] * N;
+    if (k >= 2) {
+        const REAL *restrict g = c->gates[k - 1], *restrict src = B;
+        REAL *restrict dst = c->gated;
+        for (int64_t a = 0; a < K; a++)
+            for (int64_t j = 0; j < N; j++) dst[a * N + j] = src[a * ldb + j] * g[a];
+        B = c->gated;
+        ldb = N;
+    }
+    gemm_rows(s->E[k - 1], N, K, emb_prev_state(c, idx, k), K, 1, B, ldb, C, N, 0, c->tail);
+}
+
 /* Levels from..to of the chain for row idx: R_k = R_{k-1} C_k[:, i_k];
  * level d-1 writes the row (dim_pad entries) to dst. */
 static void emb_chain(const emb_ctx *c, const int64_t *idx, int from, int to, REAL *dst) {
     const emb_shape *s = c->s;
     for (int k = from; k <= to; k++) {
-        if (k == s->d - 1 && s->last_t) {
+        if (k == s->d - 1 && s->last_t && !c->direct) {
             emb_last_fwd_t(c, idx, dst);
             continue;
         }
-        const REAL *A = emb_prev_state(c, idx, k);
         REAL *C = k == s->d - 1 ? dst : c->state + s->state_off[k];
+        if (c->direct) {
+            emb_level_direct(c, idx, k, C);
+            continue;
+        }
         int64_t N = s->e[k] * s->r[k + 1];
-        gemm_packed(s->E[k - 1], N, s->r[k], A, s->r[k], 1,
+        gemm_packed(s->E[k - 1], N, s->r[k], emb_prev_state(c, idx, k), s->r[k], 1,
                     c->pf + s->pf_off[k] + idx[k] * s->pf_size[k], C, N, 0);
     }
 }
@@ -275,8 +322,9 @@ typedef struct emb_fwd_job {
     REAL *ws;                     /* per elements per thread */
     int64_t per;
     const REAL *eff, *pf, *last;  /* gated core 0, packed slices, the last core */
+    const REAL *const *cores, *const *gates;
     REAL *out, *rowbuf;           /* rowbuf: bag modes, one row per distinct index */
-    int share, bag, inplace, copy_mode;
+    int share, bag, inplace, copy_mode, direct;
 } emb_fwd_job;
 
 static void emb_fwd_rows(void *arg, int tid, int team) {
@@ -290,6 +338,9 @@ static void emb_fwd_rows(void *arg, int tid, int team) {
     comera_team_rows(rows->count, tid, team, &u0, &u1);
     emb_ctx ctx;
     REAL *scratch = emb_thread_ctx(&ctx, s, 0, j->ws, tid, j->per, j->eff, j->pf, NULL, j->last);
+    ctx.cores = j->cores;
+    ctx.gates = j->gates;
+    ctx.direct = j->direct;
     int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
     for (int64_t u = u0; u < u1; u++) {
         emb_unravel(s, rows->keys[u], idx);
@@ -367,27 +418,32 @@ static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
     int inplace = direct && !(rows.sorted && copy_mode == COMERA_GEMM_STREAM);
     emb_ctx ctx0;
     int64_t per = emb_ctx_init(&ctx0, s, NULL, 0) + dp;
-    REAL *eff = malloc(sizeof(REAL) * (size_t)s->core_off[1]); /* gated core 0 */
-    unsigned char *slice_used = NULL; /* the slices to pack (NULL: all) */
+    /* few rows (the slices they read flagged): each reads its slices in
+     * place, and only those of core 0 are gated */
+    unsigned char *slice_used = comera_emb_used_slices(s, &rows);
+    int unpacked = slice_used != NULL;
+    /* one reused block: gated core 0, the threads' scratch, packed slices */
+    int64_t eff_n = (s->core_off[1] + 15) / 16 * 16, ws_n = per * nt;
     int cached = 0;
-    REAL *pf = comera_ws_acquire(sizeof(REAL) * (size_t)(s->pf_off[d] + 1), &cached);
-    REAL *ws = malloc(sizeof(REAL) * (size_t)(per * nt));
+    REAL *eff = comera_ws_acquire(
+        sizeof(REAL) * (size_t)(eff_n + ws_n + (unpacked ? 0 : s->pf_off[d]) + 1), &cached);
+    REAL *ws = eff ? eff + eff_n : NULL, *pf = eff && !unpacked ? ws + ws_n : NULL;
     REAL *rowbuf = bag ? malloc(sizeof(REAL) * (size_t)(rows.count * dp + 1)) : NULL;
     int64_t *uid = bag ? malloc(sizeof(int64_t) * (size_t)(used + 1)) : NULL;
-    if (!eff || !pf || !ws || (bag && (!rowbuf || !uid))) {
+    if (!eff || (bag && (!rowbuf || !uid))) {
         rc = COMERA_ERR_NOMEM;
         goto done;
     }
-    emb_gated_core0(s, cores, gates, eff);
-    slice_used = comera_emb_used_slices(s, &rows);
-    rc = emb_pack(s, cores, gates, slice_used, pf, NULL, nthreads);
+    emb_gated_core0(s, cores, gates, slice_used, eff);
+    if (!unpacked) rc = emb_pack(s, cores, gates, NULL, pf, NULL, nthreads);
     if (rc) goto done;
     if (!bag && s->padding_idx >= 0)
         for (int64_t p = 0; p < b->n; p++)
             if (b->indices[p] == s->padding_idx) memset(out + p * dim, 0, sizeof(REAL) * (size_t)dim);
     emb_fwd_job job = {.s = s, .rows = &rows, .ws = ws, .per = per, .eff = eff, .pf = pf,
-                       .last = cores[d - 1], .out = out, .rowbuf = rowbuf, .share = share,
-                       .bag = bag, .inplace = inplace, .copy_mode = copy_mode};
+                       .last = cores[d - 1], .cores = cores, .gates = gates, .out = out,
+                       .rowbuf = rowbuf, .share = share, .bag = bag, .inplace = inplace,
+                       .copy_mode = copy_mode, .direct = unpacked};
     comera_run_team(nt, emb_fwd_rows, &job);
     if (bag) {
         for (int64_t p = 0; p < used; p++) uid[p] = -1;
@@ -400,8 +456,8 @@ static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
         comera_run_team(ntb, emb_bag_sums, &bj);
     }
 done:
-    if (pf) comera_ws_release(pf, cached);
-    free(eff); free(slice_used); free(ws); free(rowbuf); free(uid);
+    if (eff) comera_ws_release(eff, cached);
+    free(slice_used); free(rowbuf); free(uid);
     comera_emb_rows_free(&rows);
     return rc;
 }

@@ -142,6 +142,9 @@ inline void describe_cores(const char *op, EmbeddingCall &c) {
     int64_t D = static_cast<int64_t>(c.cores.size());
     const auto dtype = c.dtype;
     const auto &device = c.device;
+    c.row_modes.reserve(D);
+    c.dim_modes.reserve(D);
+    c.ranks.reserve(D + 1);
     c.ranks.push_back(1);
     for (int64_t k = 0; k < D; k++) {
         const Tensor &core = c.cores[k];

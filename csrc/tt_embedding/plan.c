@@ -235,9 +235,7 @@ static int radix_sort(int64_t n, int64_t max_key, int64_t *keys, int64_t *pos) {
 }
 
 void comera_emb_rows_free(emb_rows *rows) {
-    free(rows->keys);
-    free(rows->start);
-    free(rows->pos);
+    free(rows->keys); /* the whole block */
     memset(rows, 0, sizeof *rows);
 }
 
@@ -246,13 +244,11 @@ int comera_emb_rows_build(const emb_shape *s, const comera_tt_embedding_batch *b
     memset(rows, 0, sizeof *rows);
     int64_t used = comera_emb_used(b), m = 0;
     size_t cap = (size_t)(used > 0 ? used : 1);
-    rows->keys = malloc(sizeof(int64_t) * cap);
-    rows->pos = malloc(sizeof(int64_t) * cap);
-    rows->start = malloc(sizeof(int64_t) * (cap + 1));
-    if (!rows->keys || !rows->pos || !rows->start) {
-        comera_emb_rows_free(rows);
-        return COMERA_ERR_NOMEM;
-    }
+    /* one block: keys, pos, start (freed as keys) */
+    rows->keys = malloc(sizeof(int64_t) * (3 * cap + 1));
+    if (!rows->keys) return COMERA_ERR_NOMEM;
+    rows->pos = rows->keys + cap;
+    rows->start = rows->pos + cap;
     for (int64_t p = 0; p < used; p++) {
         if (b->indices[p] == s->padding_idx) continue;
         rows->keys[m] = b->indices[p];
