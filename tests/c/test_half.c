@@ -73,8 +73,9 @@ static void test_scalar_conversions(void) {
 }
 
 /* The variant's vector paths, bit for bit against the scalar conversions:
- * C (M x 32, 16-bit) = A (M x 1, 16-bit) times a row of powers of two, so
- * every product is exact in float32 and only the store rounds. */
+ * C (M x 32, 16-bit) = A (M x 1, 16-bit) times a row of scales 2^e (1,
+ * 1 + 2^-9 or 1 + 2^-8): every product is exact in float32, and the store
+ * rounds it, ties included. */
 static void vector_conversion_case(int h, int mode) {
     const int64_t N = 32;
     int64_t M = 0;
@@ -88,7 +89,8 @@ static void vector_conversion_case(int h, int mode) {
     }
     M -= M % 12;
     float scale[32];
-    for (int j = 0; j < N; j++) scale[j] = ldexpf(1.0f, j % 5 - 2);
+    for (int j = 0; j < N; j++)
+        scale[j] = ldexpf(1.0f + (float)(j % 3) * ldexpf(1.0f, -10 + j % 3), j % 5 - 2);
     void *Bp = xmalloc((size_t)comera_hgemm_packed_bytes(h, 1, N));
     float *scr = falloc(comera_hgemm_scratch(h, 1));
     uint16_t *C = xmalloc(sizeof(uint16_t) * (size_t)(M * N) + 64);
