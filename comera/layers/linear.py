@@ -1,5 +1,6 @@
 """TTLinear: a drop-in replacement for nn.Linear with a tensor-train weight."""
 import math
+import operator
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -47,6 +48,21 @@ def _check_fits(in_shape, out_shape, ranks, in_features, out_features):
         raise ValueError(f"TTLinear: in_shape {in_shape}, out_shape {out_shape} and ranks {ranks} "
                          f"give sizes the kernels cannot index with int64 "
                          f"({str(err).splitlines()[0]})") from None
+
+
+def _plan_rows(batch) -> int:
+    """``batch`` of :meth:`TTLinear.plan` as an int (an integer of any kind,
+    a one-element integer tensor), or a clear error."""
+    try:
+        if isinstance(batch, bool):
+            raise TypeError
+        rows = operator.index(batch)
+    except TypeError:
+        raise TypeError(f"TTLinear.plan: batch must be an int (the rows of an input), got "
+                        f"{type(batch).__name__}") from None
+    if rows < 0:
+        raise ValueError(f"TTLinear.plan: batch must be >= 0, got {rows}")
+    return rows
 
 
 class TTLinear(TTLayerMixin, nn.Module):
@@ -226,7 +242,7 @@ class TTLinear(TTLayerMixin, nn.Module):
             >>> p["gpu"], p["forward"]["launches"]
             ('NVIDIA H200 SXM', {'kernel': 4, 'blas': 2, 'copy': 1})
         """
-        batch = self._prepared.rows if batch is None else batch
+        batch = self._prepared.rows if batch is None else _plan_rows(batch)
         if torch.device(self.cores[0].device if device is None else device).type == "cuda":
             if dtype is None:
                 dtype = self.cores[0].dtype

@@ -176,6 +176,19 @@ def test_plan_and_repr():
     assert "ranks=" in r and "compression=" in r and "in_shape=[8, 8, 12]" in r
 
 
+@pytest.mark.parametrize("batch, exc", [
+    (torch.randn(4, 768), TypeError), (4.0, TypeError), (True, TypeError), (-1, ValueError),
+])
+def test_plan_bad_batch(batch, exc):
+    with pytest.raises(exc, match="batch"):
+        comera.TTLinear(768, 3072, rank=30).plan(batch)
+
+
+def test_plan_takes_int_like_batch():
+    layer = comera.TTLinear(768, 3072, rank=30)
+    assert layer.plan(torch.tensor(4096))["batch"] == layer.plan(4096)["batch"] == 4096
+
+
 @pytest.mark.parametrize("kwargs, exc, words", [
     (dict(in_features=12, out_features=8, rank=0), ValueError, "rank"),
     (dict(in_features=12, out_features=8, rank=[2, 2]), ValueError, "rank"),
