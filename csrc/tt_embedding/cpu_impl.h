@@ -147,10 +147,10 @@ typedef struct emb_ctx {
     const REAL *eff;      /* gated core 0 */
     const REAL *pf, *pb;  /* packed slices of cores 1..d-1 */
     const REAL *last;     /* core d-1 itself, for the transposed last level */
-    const REAL *const *cores, *const *gates; /* read in place when `direct` */
-    int direct;           /* levels 1..d-1 read their slices in place, unpacked */
-    REAL *tail;           /* direct: a zero-padded last column panel (gemm_rows) */
-    REAL *gated;          /* direct: a slice of core k >= 2 times gate k-1 */
+    const REAL *const *cores, *const *gates; /* read in place when `unpacked` */
+    int unpacked;         /* levels 1..d-1 read their slices in place (few rows) */
+    REAL *tail;           /* unpacked: a zero-padded last column panel (gemm_rows) */
+    REAL *gated;          /* unpacked: a slice of core k >= 2 times gate k-1 */
     REAL *state;          /* R_k, k = 1..d-2 */
     REAL *acc;            /* dR_k, k = 0..d-2 (backward) */
     REAL *pack;           /* a packed dR_k (backward) */
@@ -236,7 +236,7 @@ static void emb_last_fwd_t(const emb_ctx *c, const int64_t *idx, REAL *dst) {
  * use.  The states stay ungated: level k >= 2 takes gate k-1 on its slice's
  * rows, R_{k-1} diag(g_{k-1}) C_k[:, i_k], in a copy as large as the slice
  * (scaling the state just written instead stalls on its stores). */
-static void emb_level_direct(const emb_ctx *c, const int64_t *idx, int k, REAL *C) {
+static void emb_level_unpacked(const emb_ctx *c, const int64_t *idx, int k, REAL *C) {
     const emb_shape *s = c->s;
     int64_t N = s->e[k] * s->r[k + 1], K = s->r[k], ldb = s->v[k] * N;
     const REAL *B = c->cores[k] + idx[k] * N;
@@ -256,13 +256,13 @@ static void emb_level_direct(const emb_ctx *c, const int64_t *idx, int k, REAL *
 static void emb_chain(const emb_ctx *c, const int64_t *idx, int from, int to, REAL *dst) {
     const emb_shape *s = c->s;
     for (int k = from; k <= to; k++) {
-        if (k == s->d - 1 && s->last_t && !c->direct) {
+        if (k == s->d - 1 && s->last_t && !c->unpacked) {
             emb_last_fwd_t(c, idx, dst);
             continue;
         }
         REAL *C = k == s->d - 1 ? dst : c->state + s->state_off[k];
-        if (c->direct) {
-            emb_level_direct(c, idx, k, C);
+        if (c->unpacked) {
+            emb_level_unpacked(c, idx, k, C);
             continue;
         }
         int64_t N = s->e[k] * s->r[k + 1];
@@ -324,7 +324,7 @@ typedef struct emb_fwd_job {
     const REAL *eff, *pf, *last;  /* gated core 0, packed slices, the last core */
     const REAL *const *cores, *const *gates;
     REAL *out, *rowbuf;           /* rowbuf: bag modes, one row per distinct index */
-    int share, bag, inplace, copy_mode, direct;
+    int share, bag, inplace, copy_mode, unpacked;
 } emb_fwd_job;
 
 static void emb_fwd_rows(void *arg, int tid, int team) {
@@ -340,7 +340,7 @@ static void emb_fwd_rows(void *arg, int tid, int team) {
     REAL *scratch = emb_thread_ctx(&ctx, s, 0, j->ws, tid, j->per, j->eff, j->pf, NULL, j->last);
     ctx.cores = j->cores;
     ctx.gates = j->gates;
-    ctx.direct = j->direct;
+    ctx.unpacked = j->unpacked;
     int64_t idx[COMERA_MAX_CORES], prev[COMERA_MAX_CORES];
     for (int64_t u = u0; u < u1; u++) {
         emb_unravel(s, rows->keys[u], idx);
@@ -443,7 +443,7 @@ static int emb_fwd(const emb_shape *s, const comera_tt_embedding_batch *b,
     emb_fwd_job job = {.s = s, .rows = &rows, .ws = ws, .per = per, .eff = eff, .pf = pf,
                        .last = cores[d - 1], .cores = cores, .gates = gates, .out = out,
                        .rowbuf = rowbuf, .share = share, .bag = bag, .inplace = inplace,
-                       .copy_mode = copy_mode, .direct = unpacked};
+                       .copy_mode = copy_mode, .unpacked = unpacked};
     comera_run_team(nt, emb_fwd_rows, &job);
     if (bag) {
         for (int64_t p = 0; p < used; p++) uid[p] = -1;
