@@ -33,19 +33,22 @@ static inline void prefetch_row(const REAL *row, int64_t n, int write) {
     }
 }
 
+/* dst = src times g on the last index: n values in rows of `cols`, the
+ * gate's length (restrict: the loop vectorizes). */
+static void emb_gate_rows(REAL *restrict dst, const REAL *restrict src, int64_t n,
+                          const REAL *restrict g, int64_t cols) {
+    for (int64_t x = 0; x < n; x += cols)
+        for (int64_t j = 0; j < cols; j++) dst[x + j] = src[x + j] * g[j];
+}
+
 /* Core 0 times gate 0: its slices are the rows' first partial products.
  * Only the slices flagged in `used` (all when it is NULL:
  * comera_emb_used_slices) are made: a few-token lookup reads a few. */
 static void emb_gated_core0(const emb_shape *s, const REAL *const *cores,
                             const REAL *const *gates, const unsigned char *used, REAL *eff0) {
-    int64_t cols = s->r[1], n = s->e[0] * cols; /* core 0 is (1, v_0, e_0, r_1) */
-    const REAL *restrict c0 = cores[0], *restrict g0 = gates[0];
-    REAL *restrict e = eff0; /* restrict: the loop vectorizes */
-    for (int64_t i = 0; i < s->v[0]; i++) {
-        if (used && !used[i]) continue;
-        for (int64_t x = i * n; x < (i + 1) * n; x += cols)
-            for (int64_t j = 0; j < cols; j++) e[x + j] = c0[x + j] * g0[j];
-    }
+    int64_t n = s->e[0] * s->r[1]; /* core 0 is (1, v_0, e_0, r_1) */
+    for (int64_t i = 0; i < s->v[0]; i++)
+        if (!used || used[i]) emb_gate_rows(eff0 + i * n, cores[0] + i * n, n, gates[0], s->r[1]);
 }
 
 /* In place: dcores[k] holds the gradient of the gated core k on entry and
@@ -113,8 +116,7 @@ static void emb_pack_slices(void *arg, int tid, int team) {
                 memcpy(dst, src, sizeof(REAL) * (size_t)N);
                 continue;
             }
-            for (int64_t n0 = 0; n0 < N; n0 += rr)
-                for (int64_t c = 0; c < rr; c++) dst[n0 + c] = src[n0 + c] * j->g[c];
+            emb_gate_rows(dst, src, N, j->g, rr);
         }
         if (j->pf) gemm_pack_b(K, N, slice, N, 1, j->pf + s->pf_off[k] + i * s->pf_size[k]);
         if (j->pb)
@@ -130,6 +132,7 @@ static int emb_pack(const emb_shape *s, const REAL *const *cores, const REAL *co
         /* the last level's forward slices serve only a straight (not
          * transposed) forward; the backward never recomputes that level */
         int no_pf = k == s->d - 1 && (pb || s->last_t);
+        if (no_pf && !pb) continue; /* nothing to pack */
         emb_pack_job job = {.s = s, .k = k, .use = used ? used + used_off : NULL,
                             .core = cores[k], .g = k < s->d - 1 ? gates[k] : NULL,
                             .pf = no_pf ? NULL : pf, .pb = pb, .rc = COMERA_OK};
