@@ -43,6 +43,36 @@ def func_active() -> bool:
     return (_peek() is not None or forward_ad._current_level >= 0) and not _compiling()
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_autocast_on = torch._C._is_any_autocast_enabled
+_transforms_on = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_profiler = torch.autograd.profiler
+
+
+def straight_to_kernel(first: torch.Tensor, core: torch.Tensor) -> bool:
+    """Whether a call without gradients may go straight to an operator's
+    backend kernel (``redispatch_boxed``), past the dispatcher's layers above
+    it, which would all pass it on unchanged: no autocast, no torch.func
+    transform, forward-mode AD or functionalization, no Python dispatch or
+    function mode, no profiler (it records calls at the top), and plain
+    tensors (a subclass such as DTensor dispatches itself).  The caller has
+    checked that gradients are off and torch.compile is not tracing.
+
+    Example:
+        >>> import torch
+        >>> straight_to_kernel(torch.zeros(2), torch.nn.Parameter(torch.ones(2)))
+        True
+        >>> with torch.autocast("cpu"):
+        ...     straight_to_kernel(torch.zeros(2), torch.ones(2))
+        False
+    """
+    return (type(first) is torch.Tensor and type(core) in _PLAIN_TYPES and not _autocast_on()
+            and not _transforms_on() and forward_ad._current_level < 0 and not _dispatch_modes()
+            and not _function_mode_on() and not _profiler._is_profiler_enabled)
+
+
 def eager_apply(cls: type) -> Callable:
     """``cls.apply`` for calls made while no torch.func transform is active:
     ``autograd.Function.apply`` binds the arguments to ``forward``'s

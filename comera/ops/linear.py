@@ -16,9 +16,15 @@ from comera.ops import route
 from comera.ops.dense import merge
 from comera.ops.linear_plan import PATHS
 from comera.ops.func import (any_batched, composite_vjp, eager_apply, func_active, legacy_batched,
-                             needs_graph, register_loop_vmap, unview_reshape)
+                             needs_graph, register_loop_vmap, straight_to_kernel, unview_reshape)
 
 _HALF = (torch.bfloat16, torch.float16)
+# The CPU kernels themselves, for calls that nothing above them would change
+# (straight_to_kernel): the guard of a dispatched call costs a tenth of a
+# one-row call's forward, the packet's dispatch a tenth of its backward.
+_FORWARD_CPU = torch.ops.comera.tt_linear.default._handle.redispatch_boxed
+_BACKWARD_CPU = torch.ops.comera.tt_linear_backward.default._handle.redispatch_boxed
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 
 
@@ -75,9 +81,12 @@ def _backward_from(saved, needs_x, num_cores, has_bias, num_in_cores, out_featur
         gx, gcores, ggates = composite_vjp(f, (x, cores, gates), grad_y)
         gb = grad_y.sum(0) if has_bias else None
     else:
-        gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(
-            grad_y.contiguous(), x, t, cores, gates, has_bias, needs_x, num_in_cores,
-            out_features, path)
+        args = (grad_y.contiguous(), x, t, cores, gates, has_bias, needs_x, num_in_cores,
+                out_features, path)
+        if x.is_cpu and straight_to_kernel(x, cores[0]):
+            gx, gcores, ggates, gb = _BACKWARD_CPU(_CPU, *args)
+        else:
+            gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(*args)
     return gx if needs_x else None, list(gcores), list(ggates), gb if has_bias else None
 
 
@@ -113,6 +122,8 @@ class TTLinearFunction(torch.autograd.Function):
             return torch.ops.comera.tt_linear(*args)
         # this Function records the call: the operator's registered autograd
         # would only check and redispatch (a third of a one-row call's time)
+        if x.is_cpu and straight_to_kernel(x, cg[0]):
+            return _FORWARD_CPU(_CPU, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.comera.tt_linear.default(*args)
 
@@ -123,10 +134,14 @@ class TTLinearFunction(torch.autograd.Function):
         if func_active():  # only a transform or forward-mode AD asks for the jvp
             ctx.save_for_forward(x, *cg)
         ctx.mark_non_differentiable(output[1])
+        # grad_t is never used: no zeros made for it
+        ctx.set_materialize_grads(False)
         ctx.args = (num_cores, bias is not None, num_in_cores, out_features, path)
 
     @staticmethod
     def backward(ctx, grad_y, grad_t):
+        if grad_y is None:  # no gradient reached y
+            return (None,) * (6 + len(ctx.saved_tensors) - 2)
         gx, gcores, ggates, gb = _backward_from(ctx.saved_tensors, ctx.needs_input_grad[0],
                                                 *ctx.args, grad_y)
         return (gx, gb, None, None, None, None, *gcores, *ggates)
@@ -364,7 +379,10 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         if torch.is_grad_enabled() or func_active():
             y, _ = _apply_linear(x2, bias, num_in_cores, out_features, PATHS[path], len(cores),
                                  *cores, *gates)
-        else:  # nothing to record
+        elif x2.is_cpu and straight_to_kernel(x2, cores[0]):  # nothing to record
+            y, _ = _FORWARD_CPU(_CPU, x2, list(cores), list(gates), bias, num_in_cores,
+                                out_features, PATHS[path])
+        else:
             with torch._C._AutoDispatchBelowAutograd():
                 y, _ = torch.ops.comera.tt_linear.default(x2, list(cores), list(gates), bias,
                                                           num_in_cores, out_features,

@@ -42,6 +42,7 @@
 #pragma pop_macro("TORCH_TARGET_VERSION")
 
 #include "comera/status.h"
+#include "comera/tt_linear.h" /* COMERA_MAX_CORES */
 #include "common/outpool.h"
 #include "common/pages.h"
 
@@ -167,19 +168,20 @@ inline Tensor as_contiguous(const Tensor &t) {
     return t.is_contiguous() ? t : torch::stable::contiguous(t);
 }
 
-inline std::vector<Tensor> contiguous_all(const std::vector<Tensor> &ts) {
-    std::vector<Tensor> out;
-    out.reserve(ts.size());
-    for (const auto &t : ts) out.push_back(as_contiguous(t));
-    return out;
-}
-
-// Tables of data pointers for the C ABI (T = void for the CUDA launchers).
+// The data pointers of a layer's cores or of its gates, for the C ABI (T =
+// void for the CUDA launchers), in a fixed table: no allocation per call.
 template <typename T>
-std::vector<const T *> data_ptrs(const std::vector<Tensor> &ts) {
-    std::vector<const T *> out;
-    out.reserve(ts.size());
-    for (const auto &t : ts) out.push_back(static_cast<const T *>(t.data_ptr()));
+struct CorePtrs {
+    const T *p[COMERA_MAX_CORES];
+    const T *const *data() const { return p; }
+};
+
+template <typename T>
+CorePtrs<T> data_ptrs(const std::vector<Tensor> &ts) {
+    STD_TORCH_CHECK(ts.size() <= COMERA_MAX_CORES, "comera: ", ts.size(),
+                    " cores or gates, at most ", COMERA_MAX_CORES, " are supported");
+    CorePtrs<T> out;
+    for (size_t k = 0; k < ts.size(); k++) out.p[k] = static_cast<const T *>(ts[k].data_ptr());
     return out;
 }
 

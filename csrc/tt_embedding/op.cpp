@@ -13,6 +13,7 @@
 // and would break CUDA graph capture): the Python wrapper checks them unless
 // the layer is capturable; comera/cuda.h says what the kernels do with bad
 // ones.
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -129,7 +130,8 @@ void check_dtype(ScalarType dtype, const Device &device, const char *op) {
 struct EmbeddingCall {
     std::optional<CudaGuard> guard;
     std::vector<Tensor> cores, gates;
-    std::vector<int64_t> row_modes, dim_modes, ranks;
+    int64_t num_cores = 0; /* the arrays' used lengths: num_cores and num_cores + 1 */
+    int64_t row_modes[COMERA_MAX_CORES], dim_modes[COMERA_MAX_CORES], ranks[COMERA_MAX_CORES + 1];
     comera_tt_embedding_desc d{};
     comera_tt_embedding_prep prep{};
     EmbeddingBatch batch;
@@ -142,24 +144,22 @@ inline void describe_cores(const char *op, EmbeddingCall &c) {
     int64_t D = static_cast<int64_t>(c.cores.size());
     const auto dtype = c.dtype;
     const auto &device = c.device;
-    c.row_modes.reserve(D);
-    c.dim_modes.reserve(D);
-    c.ranks.reserve(D + 1);
-    c.ranks.push_back(1);
+    c.num_cores = D;
+    c.ranks[0] = 1;
     for (int64_t k = 0; k < D; k++) {
         const Tensor &core = c.cores[k];
         COMERA_CHECK_VALUE(core.dim() == 4, op, ": core ", k,
                            " must be 4-D (rank, row mode, dim mode, rank), got ", core.dim(),
                            "-D");
-        COMERA_CHECK_VALUE(core.size(0) == c.ranks.back(), op, ": core ", k, " has left rank ",
-                           core.size(0), ", expected ", c.ranks.back());
+        COMERA_CHECK_VALUE(core.size(0) == c.ranks[k], op, ": core ", k, " has left rank ",
+                           core.size(0), ", expected ", c.ranks[k]);
         COMERA_CHECK_TYPE(core.scalar_type() == dtype, op, ": core ", k, " has dtype ",
                           core.scalar_type(), ", expected ", dtype);
         COMERA_CHECK_VALUE(core.device() == device, op, ": core ", k, " is on ",
                            device_name(core.device()), ", expected ", device_name(device));
-        c.row_modes.push_back(core.size(1));
-        c.dim_modes.push_back(core.size(2));
-        c.ranks.push_back(core.size(3));
+        c.row_modes[k] = core.size(1);
+        c.dim_modes[k] = core.size(2);
+        c.ranks[k + 1] = core.size(3);
         if (k == D - 1) continue;
         const Tensor &g = c.gates[k];
         COMERA_CHECK_VALUE(g.dim() == 1 && g.size(0) == core.size(3), op, ": gate ", k,
@@ -169,17 +169,17 @@ inline void describe_cores(const char *op, EmbeddingCall &c) {
         COMERA_CHECK_VALUE(g.device() == device, op, ": gate ", k, " is on ",
                            device_name(g.device()), ", expected ", device_name(device));
     }
-    COMERA_CHECK_VALUE(c.ranks.back() == 1, op,
-                       ": the last core must have right rank 1, got ", c.ranks.back());
+    COMERA_CHECK_VALUE(c.ranks[D] == 1, op,
+                       ": the last core must have right rank 1, got ", c.ranks[D]);
 }
 
 // Fills c.d from the mode and rank arrays of c.
 inline void fill_embedding_desc(EmbeddingCall &c, int64_t num_embeddings, int64_t embedding_dim,
                                 int64_t padding_idx) {
-    c.d.num_cores = static_cast<int32_t>(c.row_modes.size());
-    c.d.row_modes = c.row_modes.data();
-    c.d.dim_modes = c.dim_modes.data();
-    c.d.ranks = c.ranks.data();
+    c.d.num_cores = static_cast<int32_t>(c.num_cores);
+    c.d.row_modes = c.row_modes;
+    c.d.dim_modes = c.dim_modes;
+    c.d.ranks = c.ranks;
     c.d.num_embeddings = num_embeddings;
     c.d.embedding_dim = embedding_dim;
     c.d.padding_idx = padding_idx;
@@ -194,7 +194,8 @@ inline void prepare_table(const char *op, EmbeddingCall &c, int64_t reuse) {
     check_status(rc, op, [&](int) {
         return str(" (num_embeddings ", c.d.num_embeddings, ", embedding_dim ",
                    c.d.embedding_dim, ", padding_idx ", c.d.padding_idx, ", row modes ",
-                   list_text(c.row_modes), ", dim modes ", list_text(c.dim_modes), ")");
+                   list_text({c.row_modes, static_cast<size_t>(c.num_cores)}), ", dim modes ",
+                   list_text({c.dim_modes, static_cast<size_t>(c.num_cores)}), ")");
     }, ArgError::Value);
 }
 
@@ -215,8 +216,8 @@ Device call_device(const char *op, const std::vector<Tensor> &cores) {
 
 // Everything for one call, on the cores' device; on the CPU the index and
 // offset values too.
-inline EmbeddingCall prepare_embedding(const char *op, const std::vector<Tensor> &cores,
-                                       const std::vector<Tensor> &gates, int64_t num_embeddings,
+inline EmbeddingCall prepare_embedding(const char *op, std::vector<Tensor> &&cores,
+                                       std::vector<Tensor> &&gates, int64_t num_embeddings,
                                        int64_t embedding_dim, int64_t padding_idx, int64_t reuse,
                                        const Tensor &indices,
                                        const std::optional<Tensor> &offsets, int64_t mode,
@@ -228,8 +229,10 @@ inline EmbeddingCall prepare_embedding(const char *op, const std::vector<Tensor>
                        COMERA_MAX_CORES, " cores, got ", D);
     COMERA_CHECK_VALUE(static_cast<int64_t>(gates.size()) == D - 1, op, ": expected ", D - 1,
                        " gates, got ", gates.size());
-    c.cores = contiguous_all(cores);
-    c.gates = contiguous_all(gates);
+    c.cores = std::move(cores);
+    c.gates = std::move(gates);
+    make_contiguous(c.cores);
+    make_contiguous(c.gates);
     c.dtype = c.cores[0].scalar_type();
     c.device = c.cores[0].device();
     check_dtype(c.dtype, c.device, op);
@@ -333,8 +336,9 @@ Tensor tt_embedding(Tensor indices, std::optional<Tensor> offsets, std::optional
                     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
                     int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding";
-    EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
-                                        padding_idx, reuse, indices, offsets, mode, psw);
+    EmbeddingCall c = prepare_embedding(op, std::move(cores), std::move(gates), num_embeddings,
+                                        embedding_dim, padding_idx, reuse, indices, offsets, mode,
+                                        psw);
     Tensor out = empty({c.batch.output_rows(), embedding_dim}, c.dtype, c.device);
     int rc = is_cuda(c.device) ? forward_cuda(op, c, out)
              : c.dtype == ScalarType::Float ? forward_cpu<float>(c, out)
@@ -348,8 +352,9 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>> tt_embedding_backward(
     std::vector<Tensor> cores, std::vector<Tensor> gates, int64_t num_embeddings,
     int64_t embedding_dim, int64_t padding_idx, int64_t mode, int64_t reuse) {
     const char *op = "comera::tt_embedding_backward";
-    EmbeddingCall c = prepare_embedding(op, cores, gates, num_embeddings, embedding_dim,
-                                        padding_idx, reuse, indices, offsets, mode, psw);
+    EmbeddingCall c = prepare_embedding(op, std::move(cores), std::move(gates), num_embeddings,
+                                        embedding_dim, padding_idx, reuse, indices, offsets, mode,
+                                        psw);
     Tensor grad = check_grad_out(op, c, grad_out);
     std::vector<Tensor> gcores = empty_like_all(c.cores), ggates = empty_like_all(c.gates);
     int rc = is_cuda(c.device) ? backward_cuda(op, c, grad, gcores, ggates)
@@ -374,10 +379,13 @@ Tensor tt_embedding_plan(Tensor indices_in, std::optional<Tensor> offsets_in,
     COMERA_CHECK_VALUE(static_cast<int64_t>(dim_modes.size()) == D &&
                            static_cast<int64_t>(ranks.size()) == D + 1,
                        op, ": need as many dim modes as row modes and one more rank");
+    COMERA_CHECK_VALUE(D >= 2 && D <= COMERA_MAX_CORES, op, ": expected 2 to ",
+                       COMERA_MAX_CORES, " row modes, got ", D);
     EmbeddingCall c;
-    c.row_modes = std::move(row_modes);
-    c.dim_modes = std::move(dim_modes);
-    c.ranks = std::move(ranks);
+    c.num_cores = D;
+    std::copy(row_modes.begin(), row_modes.end(), c.row_modes);
+    std::copy(dim_modes.begin(), dim_modes.end(), c.dim_modes);
+    std::copy(ranks.begin(), ranks.end(), c.ranks);
     fill_embedding_desc(c, num_embeddings, embedding_dim, padding_idx);
     prepare_table(op, c, COMERA_REUSE_AUTO);
     c.batch = make_embedding_batch(op, indices, offsets, mode, kCpu);
