@@ -20,8 +20,8 @@ from comera.ops.func import (any_batched, composite_vjp, eager_apply, func_activ
 
 _HALF = (torch.bfloat16, torch.float16)
 # The CPU kernels themselves, for calls that nothing above them would change
-# (straight_to_kernel): the guard of a dispatched call costs a tenth of a
-# one-row call's forward, the packet's dispatch a tenth of its backward.
+# (straight_to_kernel): the guard that skips autograd, or the packet's
+# dispatch, costs a small call 1-3 us.
 _FORWARD_CPU = torch.ops.comera.tt_linear.default._handle.redispatch_boxed
 _BACKWARD_CPU = torch.ops.comera.tt_linear_backward.default._handle.redispatch_boxed
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
