@@ -49,6 +49,7 @@ _transforms_on = torch._C._are_functorch_transforms_active
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_on = torch._C._is_torch_function_mode_enabled
 _profiler = torch.autograd.profiler
+_tracing = torch._C._get_tracing_state
 
 
 def straight_to_kernel(first: torch.Tensor, core: torch.Tensor) -> bool:
@@ -56,8 +57,9 @@ def straight_to_kernel(first: torch.Tensor, core: torch.Tensor) -> bool:
     backend kernel (``redispatch_boxed``), past the dispatcher's layers above
     it, which would all pass it on unchanged: no autocast, no torch.func
     transform, forward-mode AD or functionalization, no Python dispatch or
-    function mode, no profiler (it records calls at the top), and plain
-    tensors (a subclass such as DTensor dispatches itself).  The caller has
+    function mode, no profiler (it records calls at the top), no
+    ``torch.jit.trace``, and plain tensors (a subclass such as DTensor
+    dispatches itself).  The caller has
     checked that gradients are off and torch.compile is not tracing.
 
     Example:
@@ -70,7 +72,8 @@ def straight_to_kernel(first: torch.Tensor, core: torch.Tensor) -> bool:
     """
     return (type(first) is torch.Tensor and type(core) in _PLAIN_TYPES and not _autocast_on()
             and not _transforms_on() and forward_ad._current_level < 0 and not _dispatch_modes()
-            and not _function_mode_on() and not _profiler._is_profiler_enabled)
+            and not _function_mode_on() and not _profiler._is_profiler_enabled
+            and _tracing() is None)
 
 
 def eager_apply(cls: type) -> Callable:

@@ -59,6 +59,17 @@ def test_any_layer_above_the_kernel_keeps_the_dispatcher(context):
     assert _plain()
 
 
+def test_jit_tracing_keeps_the_dispatcher():
+    seen = []
+
+    def f(x):
+        seen.append(_plain())
+        return x * 2
+
+    torch.jit.trace(f, torch.ones(2), check_trace=False)
+    assert seen == [False]
+
+
 def test_transforms_and_subclasses_keep_the_dispatcher():
     assert torch.vmap(lambda v: torch.tensor(float(_plain())) + 0 * v)(torch.zeros(3)).sum() == 0
     assert torch.func.functionalize(lambda v: v + float(_plain()))(torch.zeros(1)).item() == 0
