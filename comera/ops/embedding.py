@@ -124,7 +124,7 @@ def _backward_from(saved, num_cores, args, psw_grad, grad):
     if needs_graph() or legacy_batched(grad):
         return _graph_backward(grad, indices, offsets, psw, cores, gates, args, psw_grad)
     grad = grad.contiguous()
-    if indices.is_cpu and cores[0].is_cpu and straight_to_kernel(indices, cores[0]):
+    if straight_to_kernel(indices, cores[0]):
         gcores, ggates = _BACKWARD_CPU(_CPU, grad, indices, offsets, psw, cores, gates, *args)
     else:
         gcores, ggates = torch.ops.comera.tt_embedding_backward(
@@ -154,7 +154,7 @@ class TTEmbeddingFunction(torch.autograd.Function):
         call = (indices, offsets, psw, list(cg[:num_cores]), list(cg[num_cores:]), *args)
         if func_active():  # the transforms' layers must see the operator
             return torch.ops.comera.tt_embedding(*call)
-        if indices.is_cpu and cg[0].is_cpu and straight_to_kernel(indices, cg[0]):
+        if straight_to_kernel(indices, cg[0]):
             return _LOOKUP_CPU(_CPU, *call)
         with torch._C._AutoDispatchBelowAutograd():  # this Function records the call
             return torch.ops.comera.tt_embedding.default(*call)
@@ -203,13 +203,13 @@ _LOOKUP = torch.ops.comera.tt_embedding.default._op
 
 
 def _run(indices, offsets, psw, cores: List[torch.Tensor], gates: List[torch.Tensor], *args):
-    if torch.compiler.is_compiling():  # the compiled graph holds the operator
-        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
-    if torch.is_grad_enabled() or func_active():
-        return _apply_embedding(indices, offsets, psw, args, len(cores), *cores, *gates)
-    core = cores[0]
-    if indices.is_cpu and core.is_cpu and straight_to_kernel(indices, core):
+    grad = torch.is_grad_enabled()
+    if not grad and not _compiling() and straight_to_kernel(indices, cores[0]):
         return _LOOKUP_CPU(_CPU, indices, offsets, psw, cores, gates, *args)
+    if _compiling():  # the compiled graph holds the operator
+        return torch.ops.comera.tt_embedding(indices, offsets, psw, cores, gates, *args)
+    if grad or func_active():
+        return _apply_embedding(indices, offsets, psw, args, len(cores), *cores, *gates)
     # nothing to record: below autograd, whose Python kernel would cost more
     # than a few-token lookup only to find that
     with torch._C._AutoDispatchBelowAutograd():
@@ -421,12 +421,8 @@ def tt_embedding_rows(input: torch.Tensor, cores: List[torch.Tensor],
         return tt_embedding(input, cores, gates, num_embeddings, embedding_dim,
                             padding_idx=padding_idx, reuse=reuse, capturable=capturable)
     flat = input if input.dim() == 1 else input.reshape(-1)
-    args = (num_embeddings, embedding_dim, -1 if padding_idx is None else padding_idx, 0,
-            REUSE[reuse])
-    if not torch.is_grad_enabled() and not _compiling() and straight_to_kernel(flat, core):
-        out = _LOOKUP_CPU(_CPU, flat, None, None, cores, gates, *args)  # _run, in fewer steps
-    else:
-        out = _run(flat, None, None, cores, gates, *args)
+    out = _run(flat, None, None, cores, gates, num_embeddings, embedding_dim,
+               -1 if padding_idx is None else padding_idx, 0, REUSE[reuse])
     return out if input.dim() == 1 else unview_reshape(out, (*input.shape, embedding_dim))
 
 

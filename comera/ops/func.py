@@ -53,9 +53,9 @@ _tracing = torch._C._get_tracing_state
 
 
 def straight_to_kernel(first: torch.Tensor, core: torch.Tensor) -> bool:
-    """Whether a call without gradients may go straight to an operator's
-    backend kernel (``redispatch_boxed``), past the dispatcher's layers above
-    it, which would all pass it on unchanged: no autocast, no torch.func
+    """Whether a call without gradients may go straight to an operator's CPU
+    kernel (``redispatch_boxed``), past the dispatcher's layers above it,
+    which would all pass it on unchanged: CPU tensors, no autocast, no torch.func
     transform, forward-mode AD or functionalization, no Python dispatch or
     function mode, no profiler (it records calls at the top), no
     ``torch.jit.trace``, and plain tensors (a subclass such as DTensor
@@ -70,7 +70,8 @@ def straight_to_kernel(first: torch.Tensor, core: torch.Tensor) -> bool:
         ...     straight_to_kernel(torch.zeros(2), torch.ones(2))
         False
     """
-    return (type(first) is torch.Tensor and type(core) in _PLAIN_TYPES and not _autocast_on()
+    return (type(first) is torch.Tensor and type(core) in _PLAIN_TYPES and first.is_cpu
+            and core.is_cpu and not _autocast_on()
             and not _transforms_on() and forward_ad._current_level < 0 and not _dispatch_modes()
             and not _function_mode_on() and not _profiler._is_profiler_enabled
             and _tracing() is None)

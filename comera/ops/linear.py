@@ -83,7 +83,7 @@ def _backward_from(saved, needs_x, num_cores, has_bias, num_in_cores, out_featur
     else:
         args = (grad_y.contiguous(), x, t, cores, gates, has_bias, needs_x, num_in_cores,
                 out_features, path)
-        if x.is_cpu and straight_to_kernel(x, cores[0]):
+        if straight_to_kernel(x, cores[0]):
             gx, gcores, ggates, gb = _BACKWARD_CPU(_CPU, *args)
         else:
             gx, gcores, ggates, gb = torch.ops.comera.tt_linear_backward(*args)
@@ -122,7 +122,7 @@ class TTLinearFunction(torch.autograd.Function):
             return torch.ops.comera.tt_linear(*args)
         # this Function records the call: the operator's registered autograd
         # would only check and redispatch (a third of a one-row call's time)
-        if x.is_cpu and straight_to_kernel(x, cg[0]):
+        if straight_to_kernel(x, cg[0]):
             return _FORWARD_CPU(_CPU, *args)
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.comera.tt_linear.default(*args)
@@ -141,7 +141,7 @@ class TTLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_t):
         if grad_y is None:  # no gradient reached y
-            return (None,) * (6 + len(ctx.saved_tensors) - 2)
+            return (None,) * len(ctx.needs_input_grad)
         gx, gcores, ggates, gb = _backward_from(ctx.saved_tensors, ctx.needs_input_grad[0],
                                                 *ctx.args, grad_y)
         return (gx, gb, None, None, None, None, *gcores, *ggates)
@@ -379,7 +379,7 @@ def tt_linear(x: torch.Tensor, cores: Sequence[torch.Tensor], gates: Sequence[to
         if torch.is_grad_enabled() or func_active():
             y, _ = _apply_linear(x2, bias, num_in_cores, out_features, PATHS[path], len(cores),
                                  *cores, *gates)
-        elif x2.is_cpu and straight_to_kernel(x2, cores[0]):  # nothing to record
+        elif straight_to_kernel(x2, cores[0]):  # nothing to record
             y, _ = _FORWARD_CPU(_CPU, x2, list(cores), list(gates), bias, num_in_cores,
                                 out_features, PATHS[path])
         else:
