@@ -35,18 +35,20 @@ static int64_t carve(REAL *block, int count, const int64_t *n, REAL **piece) {
     return off;
 }
 
-/* core k times its gate on the last rank index; the last core has none */
+/* core k times its gate on the last rank index; the last core has none.
+ * Restrict-qualified locals: the build keeps -fno-strict-aliasing, under
+ * which the compiler would otherwise check for overlap on every row. */
 static void make_eff(const tt_shape *s, const REAL *const *cores,
                      const REAL *const *gates, REAL *eff) {
     for (int k = 0; k < s->D; k++) {
-        const REAL *c = cores[k];
-        REAL *e = eff + s->core_off[k];
+        const REAL *restrict c = cores[k];
+        REAL *restrict e = eff + s->core_off[k];
         int64_t rows = s->r[k] * s->dims[k], cols = s->r[k + 1];
         if (k == s->D - 1) {
             memcpy(e, c, sizeof(REAL) * (size_t)(rows * cols));
             continue;
         }
-        const REAL *g = gates[k];
+        const REAL *restrict g = gates[k];
         for (int64_t i = 0; i < rows; i++)
             for (int64_t j = 0; j < cols; j++) e[i * cols + j] = c[i * cols + j] * g[j];
     }
@@ -57,15 +59,15 @@ static void eff_grads(const tt_shape *s, const REAL *const *cores,
                       const REAL *const *gates, const REAL *deff,
                       REAL *const *dcores, REAL *const *dgates) {
     for (int k = 0; k < s->D; k++) {
-        const REAL *c = cores[k], *de = deff + s->core_off[k];
-        REAL *dc = dcores[k];
+        const REAL *restrict c = cores[k], *restrict de = deff + s->core_off[k];
+        REAL *restrict dc = dcores[k];
         int64_t rows = s->r[k] * s->dims[k], cols = s->r[k + 1];
         if (k == s->D - 1) {
             memcpy(dc, de, sizeof(REAL) * (size_t)(rows * cols));
             continue;
         }
-        const REAL *g = gates[k];
-        REAL *dg = dgates[k];
+        const REAL *restrict g = gates[k];
+        REAL *restrict dg = dgates[k];
         for (int64_t j = 0; j < cols; j++) dg[j] = 0;
         for (int64_t i = 0; i < rows; i++)
             for (int64_t j = 0; j < cols; j++) {
@@ -343,9 +345,14 @@ static void fwd_seq_rows(void *arg, int tid, int team) {
             continue;
         }
         memcpy(j->t + b * s->rmid, st + s->Z_off[s->p], sizeof(REAL) * (size_t)s->rmid);
-        const REAL *yq = st + s->Y_off[q];
-        REAL *yr = j->y + b * s->out;
-        for (int64_t c = 0; c < s->out; c++) yr[c] = yq[c] + (j->bias ? j->bias[c] : 0);
+        /* locals: under -fno-strict-aliasing a store to y would reload s and j */
+        const REAL *restrict yq = st + s->Y_off[q], *restrict bias = j->bias;
+        REAL *restrict yr = j->y + b * s->out;
+        int64_t out = s->out;
+        if (bias)
+            for (int64_t c = 0; c < out; c++) yr[c] = yq[c] + bias[c];
+        else
+            memcpy(yr, yq, sizeof(REAL) * (size_t)out);
     }
 }
 
@@ -378,8 +385,9 @@ static int seq_row_bwd(const tt_shape *s, const REAL *xr, const REAL *dyr, const
     REAL *de = gb + s->seq_state_max, *db = de + s->core_off[s->D];
     int err = seq_row_fwd(s, xr, eff, st);
     int q = s->D - s->p;
-    for (int64_t j = 0; j < s->out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
-    for (int64_t j = s->out; j < s->out_pad; j++) ga[j] = 0;
+    int64_t out = s->out, out_pad = s->out_pad;
+    for (int64_t j = 0; j < out; j++) { ga[j] = dyr[j]; db[j] += dyr[j]; }
+    for (int64_t j = out; j < out_pad; j++) ga[j] = 0;
     for (int l = q; l >= 1 && !err; l--) {
         int c = s->p + l - 1;
         int64_t N = s->dims[c] * s->r[c + 1], Mp = s->M[l - 1];
@@ -437,13 +445,19 @@ static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
                    .ws = ws, .dx = dx, .rc = COMERA_OK};
     comera_run_team(nt, bwd_seq_rows, &job);
     if (!job.rc) {
-        memset(dsum, 0, sizeof(REAL) * (size_t)(nc + s->out));
-        for (int th = 0; th < nt; th++) {
-            const REAL *de = ws + per * th + s->seq_total + 2 * s->seq_state_max;
-            for (int64_t i = 0; i < nc + s->out; i++) dsum[i] += de[i];
+        /* one thread's sums are the result; several are added up (n in a
+         * local: under -fno-strict-aliasing a store to dsum would reload s) */
+        int64_t n_sum = nc + s->out, de_at = s->seq_total + 2 * s->seq_state_max;
+        REAL *restrict sum = nt == 1 ? ws + de_at : dsum;
+        if (nt > 1) {
+            memset(sum, 0, sizeof(REAL) * (size_t)n_sum);
+            for (int th = 0; th < nt; th++) {
+                const REAL *restrict de = ws + per * th + de_at;
+                for (int64_t i = 0; i < n_sum; i++) sum[i] += de[i];
+            }
         }
-        if (dbias) memcpy(dbias, dsum + nc, sizeof(REAL) * (size_t)s->out);
-        eff_grads(s, cores, gates, dsum, dcores, dgates);
+        if (dbias) memcpy(dbias, sum + nc, sizeof(REAL) * (size_t)s->out);
+        eff_grads(s, cores, gates, sum, dcores, dgates);
     }
     comera_ws_release(block, cached);
     return job.rc;
