@@ -430,9 +430,10 @@ static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
     int nt = comera_threads_for_items(nthreads, batch);
     int64_t nc = s->core_off[s->D];
     /* eff; per thread: states, two gradient scratch states, d(eff), dbias;
-     * the threads' sum of d(eff) and dbias: one reused workspace block */
+     * with several threads their sum of d(eff) and dbias: one reused
+     * workspace block */
     int64_t per = s->seq_total + 2 * s->seq_state_max + nc + s->out;
-    int64_t n[3] = {nc, per * nt, nc + s->out};
+    int64_t n[3] = {nc, per * nt, nt > 1 ? nc + s->out : 0};
     REAL *part[3];
     int cached = 0;
     REAL *block = comera_ws_acquire(sizeof(REAL) * (size_t)carve(NULL, 3, n, part), &cached);
@@ -445,8 +446,8 @@ static int bwd_seq(const tt_shape *s, int64_t batch, const REAL *dy,
                    .ws = ws, .dx = dx, .rc = COMERA_OK};
     comera_run_team(nt, bwd_seq_rows, &job);
     if (!job.rc) {
-        /* one thread's sums are the result; several are added up (n in a
-         * local: under -fno-strict-aliasing a store to dsum would reload s) */
+        /* one thread's sums are the result; several are added up (n_sum a
+         * local: under -fno-strict-aliasing a store to the sum reloads s) */
         int64_t n_sum = nc + s->out, de_at = s->seq_total + 2 * s->seq_state_max;
         REAL *restrict sum = nt == 1 ? ws + de_at : dsum;
         if (nt > 1) {
