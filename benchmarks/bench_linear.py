@@ -247,8 +247,49 @@ def main():
                "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "dtypes": dtypes,
                "clock": "wall", "interleaved": True, "reps": args.reps, "cases": rows,
                "bf16_cases": bf16_rows}
+    payload["targets"] = targets(rows, bf16_rows)
     write_results(args.out or ("linear_cpu" if not args.quick else "linear_cpu_quick"), payload,
                   markdown(payload, args))
+
+
+def targets(rows, bf16_rows):
+    """The CPU targets, each with its worst case: float32 TTLinear at least
+    1.5x the merge path at ranks up to 30 and 1.0x above; bfloat16 TTLinear
+    (as a bfloat16 module, under autocast, and under autocast with a float32
+    input) never slower than the float32 layer, at least 1.5x nn.Linear in the
+    same setting everywhere and 4x at 768 -> 3072 rank 30.
+
+    Example:
+        >>> r = {"threads": 1, "in": 8, "out": 8, "rank": 8, "speedup_vs_matmul_merge": 1.2}
+        >>> [(t["got"], t["met"]) for t in targets([r], [])]
+        [(1.2, False)]
+    """
+    label = lambda r: f"{r['threads']} thread(s), {r['in']} -> {r['out']} rank {r['rank']}"
+    over_f32 = lambda r: min(r["float32_over_bf16"], r["float32_over_autocast"],
+                             r["float32_over_autocast_f32_input"])
+    over_dense = lambda r: min(r["speedup_bf16_vs_dense_bf16"],
+                               r["speedup_autocast_vs_dense_autocast"],
+                               r["speedup_autocast_f32_input_vs_dense"])
+    wide = [r for r in bf16_rows if (r["in"], r["out"], r["rank"]) == (768, 3072, 30)]
+    checks = [
+        ("float32 TTLinear / merge path, ranks 8-30", 1.5,
+         [(r["speedup_vs_matmul_merge"], label(r)) for r in rows if r["rank"] <= 30]),
+        ("float32 TTLinear / merge path, rank 64", 1.0,
+         [(r["speedup_vs_matmul_merge"], label(r)) for r in rows if r["rank"] > 30]),
+        ("float32 TTLinear time / bfloat16 TTLinear time (bf16 module, autocast, autocast with "
+         "a float32 input)", 1.0, [(over_f32(r), label(r)) for r in bf16_rows]),
+        ("bfloat16 TTLinear / nn.Linear in the same setting", 1.5,
+         [(over_dense(r), label(r)) for r in bf16_rows]),
+        ("bfloat16 TTLinear / nn.Linear in the same setting, 768 -> 3072 rank 30", 4.0,
+         [(over_dense(r), label(r)) for r in wide]),
+    ]
+    out = []
+    for name, want, cases in checks:
+        if cases:
+            got, where = min(cases)
+            out.append({"name": name, "want": f">= {want}", "got": round(got, 3),
+                        "worst_case": where, "met": got >= want})
+    return out
 
 
 def markdown(payload, args):
@@ -264,6 +305,10 @@ def markdown(payload, args):
         md += float32_table(payload)
     if payload["bf16_cases"]:
         md += bf16_table(payload)
+    if payload.get("targets"):
+        md += ["\nTargets (worst case of each):\n"]
+        md += [f"- {t['name']} {t['want']}: {t['got']:.2f} at {t['worst_case']} "
+               f"(**{'met' if t['met'] else 'missed'}**)" for t in payload["targets"]]
     flags = " --quick" if args.quick else ""
     flags += f" --shapes {args.shapes}" if args.shapes else ""
     flags += f" --ranks {args.ranks}" if args.ranks else ""

@@ -169,6 +169,9 @@ def main(argv=None):
     payload = {"machine": machine, "dtype": "float32", "layer": "TTLinear(768, 3072)",
                "rank": args.rank, "live_rank": args.live, "clock": "wall", "interleaved": True,
                "reps": args.reps, "malloc_env": malloc_env, "cases": cases}
+    payload["targets"] = [{"name": f"{c['rows']} rows: full / pruned time", "want": ">= 2.3",
+                           "got": round(c["time_ratio"], 3), "met": c["time_ratio"] >= 2.3}
+                          for c in cases if c["rows"] == 4096]
     write_results(args.name, payload, markdown(payload, args), out_dir=args.out)
     return payload
 
@@ -206,6 +209,8 @@ def markdown(payload, args):
                   f"{c['masked_over_pruned']:.2f}x | {c['pool_off']['full_s'] * 1e3:.1f}, "
                   f"{c['pool_off']['pruned_s'] * 1e3:.1f}, {c['pool_off']['time_ratio']:.2f}x | "
                   + (f"{c['output_floor_huge_s'] * 1e3:.1f} |" if c["output_floor_huge_s"] else "- |"))
+    md += [f"\nTarget: {t['name']} {t['want']}: {t['got']:.2f}x "
+           f"(**{'met' if t['met'] else 'missed'}**)" for t in payload.get("targets", [])]
     env = "".join(f"{k}={v} " for k, v in malloc_env.items())
     name = f" --name {args.name}" if args.name != "prune_cpu" else ""
     md.append(f"\nReproduce: `{env}python benchmarks/bench_prune.py --rows "

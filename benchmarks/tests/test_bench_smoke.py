@@ -189,9 +189,30 @@ def test_benchmark_docstring_examples_run():
     import doctest
     import importlib
     for name in ("peers", "train_step", "timing", "code_docstring", "plots", "bench_codesearch",
-                 "claims"):
+                 "claims", "bench_linear"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.failed == 0 and result.attempted > 0, name
+
+
+def test_bench_linear_targets_name_each_worst_case():
+    import bench_linear
+    f32 = [{"threads": t, "in": 768, "out": 768, "rank": r, "speedup_vs_matmul_merge": s}
+           for t, r, s in ((1, 8, 1.9), (2, 30, 1.6), (1, 64, 0.9))]
+    bf16 = [{"threads": 1, "in": i, "out": o, "rank": 30, "float32_over_bf16": a,
+             "float32_over_autocast": 1.2, "float32_over_autocast_f32_input": 1.1,
+             "speedup_bf16_vs_dense_bf16": d, "speedup_autocast_vs_dense_autocast": 9.0,
+             "speedup_autocast_f32_input_vs_dense": 8.0}
+            for i, o, a, d in ((768, 768, 0.8, 2.0), (768, 3072, 1.3, 5.0))]
+    got = {t["name"]: t for t in bench_linear.targets(f32, bf16)}
+    assert len(got) == 5
+    assert got["float32 TTLinear / merge path, ranks 8-30"]["got"] == 1.6
+    assert got["float32 TTLinear / merge path, ranks 8-30"]["met"]
+    assert not got["float32 TTLinear / merge path, rank 64"]["met"]
+    slower = [t for n, t in got.items() if n.startswith("float32 TTLinear time")][0]
+    assert (slower["got"], slower["met"]) == (0.8, False)
+    assert slower["worst_case"] == "1 thread(s), 768 -> 768 rank 30"
+    wide = got["bfloat16 TTLinear / nn.Linear in the same setting, 768 -> 3072 rank 30"]
+    assert (wide["got"], wide["met"]) == (5.0, True)
 
 
 # ------------------------------------------------------ scripts, --quick
