@@ -8,6 +8,7 @@
 #include "common/gemm_isa.h"
 #include "common/gemm.h"
 #include "common/half.h"
+#include "common/avx2_load.h"
 
 #ifdef COMERA_X86_VARIANTS
 #include <immintrin.h>
@@ -188,14 +189,6 @@ void comera_tile_avx2(int64_t K, const float *A, int64_t rsa, int64_t csa,
  * packing pass of its own.  Groups of at most 6 rows of C by 16 columns:
  * 12 accumulators, 2 B vectors and a broadcast. */
 __attribute__((target("avx2,fma,f16c"), always_inline))
-static inline __m256 outer_widen8(int bt, const void *B, int64_t off) {
-    if (bt == COMERA_DT_F32) return _mm256_loadu_ps((const float *)B + off);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)B + off));
-    if (bt == COMERA_DT_F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx2,fma,f16c"), always_inline))
 static inline void outer_avx2_tile(int ROWS, int bt, int64_t rows, const float *A, int64_t lda,
                                    const void *B, int64_t ldb, float *C, int64_t ldc) {
     __m256 lo[6], hi[6];
@@ -205,7 +198,7 @@ static inline void outer_avx2_tile(int ROWS, int bt, int64_t rows, const float *
         hi[c] = _mm256_loadu_ps(C + c * ldc + 8);
     }
     for (int64_t i = 0; i < rows; i++) {
-        __m256 b0 = outer_widen8(bt, B, i * ldb), b1 = outer_widen8(bt, B, i * ldb + 8);
+        __m256 b0 = comera_avx2_load8(bt, B, i * ldb), b1 = comera_avx2_load8(bt, B, i * ldb + 8);
 #pragma GCC unroll 6
         for (int c = 0; c < ROWS; c++) {
             __m256 a = _mm256_broadcast_ss(A + i * lda + c);

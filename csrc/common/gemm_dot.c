@@ -11,10 +11,17 @@
  * accumulators, 7 loads per 12 multiply-adds (2 x 5 tiles, 7 loads per
  * 10, ran at 21-28 GFLOP/s where 3 x 4 ran at 26-33, same machine).
  * Wider tiles on 16-float vectors serve the avx512bf16 variant (an AMD
- * CPU; common/gemm_isa.c), one loop nest (dot_drive) for both.
+ * CPU; common/gemm_isa.c), one loop nest (dot_drive) for both.  The AVX2
+ * tiles also take a bfloat16 or float16 A, widened in registers: the 16-bit
+ * layer's x V and dy U^T then read x and dy from memory while the products
+ * run (a widening pass into scratch first stalled on memory; AVX2 on the
+ * AVX-512 EPYC, 768 -> 768 rank 8, 4096 rows: bfloat16 forward 2.4 -> 2.0
+ * ms, backward 3.9-4.2 -> 3.4-3.8 ms).
  */
 #include "common/gemm.h"
 #include "common/gemm_isa.h"
+#include "comera/dtype.h"
+#include "common/avx2_load.h"
 
 #ifdef COMERA_X86_VARIANTS
 #include <immintrin.h>
@@ -39,21 +46,36 @@ static float dot_avx2_hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* ROWS (1..3) x COLS (1..4) outputs; inlined with constant sizes, so
- * every caller below is its own fully unrolled tile.  The last K % 8
- * elements are read with masked loads (nothing past the end is touched).
- * With Ap (K a multiple of 16), the A rows loaded are also stored there
- * in 16-column panels `panel` floats apart (the packed-B layout). */
-__attribute__((target("avx2,fma"), always_inline))
-static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, int64_t lda,
-                                 const float *Bt, int64_t ldb, float *C, int64_t ldc,
-                                 float *Ap, int64_t panel, int next) {
+/* The last n < 8 elements of a row of A (type at) from element k on,
+ * zeros past them; nothing past the end is touched. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline __m256 dot_avx2_load_tail(int at, const void *A, int64_t k, int64_t n, __m256i m) {
+    if (at == COMERA_DT_F32) return _mm256_maskload_ps((const float *)A + k, m);
+    uint16_t part[8] = {0};
+    for (int64_t i = 0; i < n; i++) part[i] = ((const uint16_t *)A)[k + i];
+    return comera_avx2_load8(at, part, 0);
+}
+
+/* ROWS (1..3) x COLS (1..4) outputs; inlined with constant sizes (and
+ * element type at of A), so every caller below is its own fully unrolled
+ * tile.  A 16-bit A is widened as it is read, so its rows come from memory
+ * while the products run (a separate widening pass would wait for them).
+ * The last K % 8 elements are read masked (nothing past the end is
+ * touched).  With Ap (float32 A, K a multiple of 16), the A rows loaded are
+ * also stored there in 16-column panels `panel` floats apart (the packed-B
+ * layout). */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dot_avx2_tile(int at, int ROWS, int COLS, int64_t K, const void *A,
+                                 int64_t lda, const float *Bt, int64_t ldb, float *C,
+                                 int64_t ldc, float *Ap, int64_t panel, int next) {
     __m256 acc[3][4];
 #pragma GCC unroll 3
     for (int i = 0; i < ROWS; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();
-    const float *a1 = A + (ROWS >= 2 ? lda : 0), *a2 = A + (ROWS == 3 ? 2 * lda : 0);
+    int64_t es = at == COMERA_DT_F32 ? 4 : 2, row = lda * es; /* bytes */
+    const char *a0 = (const char *)A, *a1 = a0 + (ROWS >= 2 ? row : 0);
+    const char *a2 = a0 + (ROWS == 3 ? 2 * row : 0);
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         /* with next: the next row triple into L2, a line of each row
@@ -62,9 +84,9 @@ static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, 
         if (next && (k & 15) == 0)
 #pragma GCC unroll 3
             for (int i = 0; i < 3; i++)
-                _mm_prefetch((const char *)(A + (3 + i) * lda + k), _MM_HINT_T1);
-        __m256 x0 = _mm256_loadu_ps(A + k), x1 = _mm256_loadu_ps(a1 + k);
-        __m256 x2 = _mm256_loadu_ps(a2 + k);
+                _mm_prefetch(a0 + (3 + i) * row + k * es, _MM_HINT_T1);
+        __m256 x0 = comera_avx2_load8(at, a0, k), x1 = comera_avx2_load8(at, a1, k);
+        __m256 x2 = comera_avx2_load8(at, a2, k);
         if (Ap) {
             float *p = Ap + (k >> 4) * panel + (k & 15);
             _mm256_storeu_ps(p, x0);
@@ -82,8 +104,9 @@ static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, 
     if (k < K) {
         __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K - k)), lane);
-        __m256 x0 = _mm256_maskload_ps(A + k, m), x1 = _mm256_maskload_ps(a1 + k, m);
-        __m256 x2 = _mm256_maskload_ps(a2 + k, m);
+        __m256 x0 = dot_avx2_load_tail(at, a0, k, K - k, m);
+        __m256 x1 = dot_avx2_load_tail(at, a1, k, K - k, m);
+        __m256 x2 = dot_avx2_load_tail(at, a2, k, K - k, m);
 #pragma GCC unroll 4
         for (int j = 0; j < COLS; j++) {
             __m256 b = _mm256_maskload_ps(Bt + j * ldb + k, m);
@@ -98,30 +121,52 @@ static inline void dot_avx2_tile(int ROWS, int COLS, int64_t K, const float *A, 
         for (int j = 0; j < COLS; j++) C[i * ldc + j] = dot_avx2_hsum(acc[i][j]);
 }
 
-/* One instance per tile size, so each is unrolled with constant sizes. */
-__attribute__((target("avx2,fma")))
-static void dot_avx2_rows(int rows, int cols, int64_t K, const float *A, int64_t lda,
-                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
-                          int64_t panel, int next) {
+/* One instance per tile size and element type of A, so each is unrolled
+ * with constant sizes. */
+__attribute__((target("avx2,fma,f16c"), always_inline))
+static inline void dot_avx2_rows(int at, int rows, int cols, int64_t K, const void *A,
+                                 int64_t lda, const float *Bt, int64_t ldb, float *C,
+                                 int64_t ldc, float *Ap, int64_t panel, int next) {
     switch (rows * 8 + cols) {
-    case 3 * 8 + 4: dot_avx2_tile(3, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 3 * 8 + 3: dot_avx2_tile(3, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 3 * 8 + 2: dot_avx2_tile(3, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 3 * 8 + 1: dot_avx2_tile(3, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 2 * 8 + 4: dot_avx2_tile(2, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 2 * 8 + 3: dot_avx2_tile(2, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 2 * 8 + 2: dot_avx2_tile(2, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 2 * 8 + 1: dot_avx2_tile(2, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 1 * 8 + 4: dot_avx2_tile(1, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 1 * 8 + 3: dot_avx2_tile(1, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    case 1 * 8 + 2: dot_avx2_tile(1, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
-    default: dot_avx2_tile(1, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 4: dot_avx2_tile(at, 3, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 3: dot_avx2_tile(at, 3, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 2: dot_avx2_tile(at, 3, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 3 * 8 + 1: dot_avx2_tile(at, 3, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 4: dot_avx2_tile(at, 2, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 3: dot_avx2_tile(at, 2, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 2: dot_avx2_tile(at, 2, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 2 * 8 + 1: dot_avx2_tile(at, 2, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 4: dot_avx2_tile(at, 1, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 3: dot_avx2_tile(at, 1, 3, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    case 1 * 8 + 2: dot_avx2_tile(at, 1, 2, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
+    default: dot_avx2_tile(at, 1, 1, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dot_avx2_rows_f32(int rows, int cols, int64_t K, const void *A, int64_t lda,
+                              const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
+                              int64_t panel, int next) {
+    dot_avx2_rows(COMERA_DT_F32, rows, cols, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dot_avx2_rows_bf16(int rows, int cols, int64_t K, const void *A, int64_t lda,
+                               const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
+                               int64_t panel, int next) {
+    dot_avx2_rows(COMERA_DT_BF16, rows, cols, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+static void dot_avx2_rows_f16(int rows, int cols, int64_t K, const void *A, int64_t lda,
+                              const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
+                              int64_t panel, int next) {
+    dot_avx2_rows(COMERA_DT_F16, rows, cols, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next);
 }
 
 /* One tile of ROWS x COLS outputs (dot_*_rows): the ISA's own, called
  * through this type by the loops of dot_drive. */
-typedef void (*dot_rows_fn)(int rows, int cols, int64_t K, const float *A, int64_t lda,
+typedef void (*dot_rows_fn)(int rows, int cols, int64_t K, const void *A, int64_t lda,
                             const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
                             int64_t panel, int next);
 
@@ -130,10 +175,11 @@ typedef void (*dot_rows_fn)(int rows, int cols, int64_t K, const float *A, int64
  * Groups of at most tile_cols columns, as even as possible (AVX2, 4 wide:
  * 10 = 4 + 3 + 3 rather than 4 + 4 + 2, whose 2-wide tile has too few
  * independent sums to hide the multiply-add latency).  The first group
- * packs A when asked. */
+ * packs A (float32) when asked.  A's elements are esize bytes. */
 static void dot_drive(dot_rows_fn rows_fn, int tile_rows, int tile_cols, int64_t max_k_next,
-                      int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                      const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
+                      int64_t M, int64_t N, int64_t K, const void *A, int64_t lda,
+                      int64_t esize, const float *Bt, int64_t ldb, float *C, int64_t ldc,
+                      float *Apack) {
     int64_t groups = (N + tile_cols - 1) / tile_cols, base = N / groups, extra = N % groups;
     int fuse = Apack && K % 16 == 0;
     for (int64_t i = 0; i < M; i += tile_rows) {
@@ -150,17 +196,23 @@ static void dot_drive(dot_rows_fn rows_fn, int tile_rows, int tile_cols, int64_t
              * doing well; AVX-512 EPYC: dy U^T at rank 10, K = 3072, faster
              * too) */
             int next = g > 0 && rows == tile_rows && K <= max_k_next;
-            rows_fn(rows, cols, K, A + i * lda, lda, Bt + j * ldb, ldb, C + i * ldc + j, ldc, ap,
-                    16 * M, next);
+            rows_fn(rows, cols, K, (const char *)A + i * lda * esize, lda, Bt + j * ldb, ldb,
+                    C + i * ldc + j, ldc, ap, 16 * M, next);
             j += cols;
         }
     }
-    if (Apack && !fuse) comera_gemm_pack_b_f32(M, K, A, lda, 1, Apack);
+    if (Apack && !fuse) comera_gemm_pack_b_f32(M, K, (const float *)A, lda, 1, Apack);
 }
 
 void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
-    dot_drive(dot_avx2_rows, 3, 4, 1024, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
+    dot_drive(dot_avx2_rows_f32, 3, 4, 1024, M, N, K, A, lda, 4, Bt, ldb, C, ldc, Apack);
+}
+
+void comera_dot_avx2_half(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                          int64_t lda, const float *Bt, int64_t ldb, float *C, int64_t ldc) {
+    dot_drive(h == COMERA_DT_F16 ? dot_avx2_rows_f16 : dot_avx2_rows_bf16, 3, 4, 1024, M, N, K,
+              A, lda, 2, Bt, ldb, C, ldc, NULL);
 }
 
 /* Tiles of up to 4 rows of A by 5 rows of Bt on 16-float vectors (32
@@ -216,9 +268,10 @@ static inline void dot_avx512_tile(int ROWS, int COLS, int64_t K, const float *A
 }
 
 __attribute__((target("avx512f")))
-static void dot_avx512_rows(int rows, int cols, int64_t K, const float *A, int64_t lda,
+static void dot_avx512_rows(int rows, int cols, int64_t K, const void *Av, int64_t lda,
                             const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Ap,
                             int64_t panel, int next) {
+    const float *A = (const float *)Av; /* float32 only */
     switch (rows * 8 + cols) {
     case 4 * 8 + 5: dot_avx512_tile(4, 5, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
     case 4 * 8 + 4: dot_avx512_tile(4, 4, K, A, lda, Bt, ldb, C, ldc, Ap, panel, next); return;
@@ -245,7 +298,7 @@ static void dot_avx512_rows(int rows, int cols, int64_t K, const float *A, int64
 
 void comera_dot_avx512_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                            const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack) {
-    dot_drive(dot_avx512_rows, 4, 5, INT64_MAX, M, N, K, A, lda, Bt, ldb, C, ldc, Apack);
+    dot_drive(dot_avx512_rows, 4, 5, INT64_MAX, M, N, K, A, lda, 4, Bt, ldb, C, ldc, Apack);
 }
 #endif
 

@@ -70,10 +70,14 @@ void comera_hgemm_dot(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A,
     float sums[12 * 64]; /* mr <= 12 rows of N <= 64 (comera_gemm_dot_wins_f32) */
     for (int64_t i0 = 0; i0 < M; i0 += v->mr) {
         int64_t mr = M - i0 < v->mr ? M - i0 : v->mr;
-        for (int64_t i = 0; i < mr; i++) v->widen(h, A + (i0 + i) * lda, scratch + i * K, K);
         float *out = ct == COMERA_DT_F32 ? (float *)C + i0 * ldc : sums;
         int64_t ldo = ct == COMERA_DT_F32 ? ldc : N;
-        comera_gemm_dot_f32(mr, N, K, scratch, K, Bt, ldb, out, ldo, NULL);
+        if (v->dot_half) {
+            v->dot_half(h, mr, N, K, A + i0 * lda, lda, Bt, ldb, out, ldo);
+        } else {
+            for (int64_t i = 0; i < mr; i++) v->widen(h, A + (i0 + i) * lda, scratch + i * K, K);
+            comera_gemm_dot_f32(mr, N, K, scratch, K, Bt, ldb, out, ldo, NULL);
+        }
         if (ct == COMERA_DT_F32) continue;
         uint16_t *Ch = (uint16_t *)((char *)C + i0 * ldc * esize);
         for (int64_t i = 0; i < mr; i++)

@@ -47,8 +47,9 @@ void comera_hgemm(int h, int64_t M, int64_t N, int64_t K, const void *A, int at,
 /* C (M x N, element type ct: h or float32; row stride ldc) = A Bt^T as
  * dot products along K on the variant's float32 dot kernel, for products
  * only the rank wide where comera_gemm_dot_wins_f32(N) (N <= 64): A of
- * type h (row-major, row stride lda) widened a row group at a time into
- * scratch (comera_hgemm_scratch(h, K) floats), Bt float32 (N x K, row
+ * type h (row-major, row stride lda) widened in registers as the kernel
+ * reads it where the variant can (avx2), else a row group at a time into
+ * scratch (comera_hgemm_scratch(h, K) floats); Bt float32 (N x K, row
  * stride ldb).  For the variants without bfloat16-pair kernels. */
 void comera_hgemm_dot(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda,
                       const float *Bt, int64_t ldb, void *C, int ct, int64_t ldc,

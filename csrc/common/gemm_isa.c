@@ -349,20 +349,20 @@ static void gemm_dpbf16(int64_t M, int64_t N, int64_t K, const uint16_t *A, int6
 /* Best first: the automatic choice is the first one the CPU runs. */
 static const comera_gemm_variant VARIANTS[] = {
 #ifdef COMERA_AMX_VARIANT
-    {"amx", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512,
-     comera_amx_gemm, NULL},
+    {"amx", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, NULL, widen_avx512,
+     pack_half_avx512, comera_amx_gemm, NULL},
     /* the AVX-512 dot kernel where it was measured faster: an AMD CPU */
-    {"avx512bf16", "avx512", AVX512_MR, 2 * NR, tile_avx512, comera_dot_avx512_f32, widen_avx512,
-     pack_half_avx512, gemm_dpbf16, NULL},
+    {"avx512bf16", "avx512", AVX512_MR, 2 * NR, tile_avx512, comera_dot_avx512_f32, NULL,
+     widen_avx512, pack_half_avx512, gemm_dpbf16, NULL},
 #endif
 #ifdef COMERA_X86_VARIANTS
-    {"avx512", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, widen_avx512, pack_half_avx512,
-     NULL, NULL},
-    {"avx2", "avx2", COMERA_AVX2_MR, NR, comera_tile_avx2, comera_dot_avx2_f32, comera_widen_avx2,
-     comera_pack_half_avx2, NULL, comera_outer_avx2},
+    {"avx512", "avx512", AVX512_MR, 2 * NR, tile_avx512, NULL, NULL, widen_avx512,
+     pack_half_avx512, NULL, NULL},
+    {"avx2", "avx2", COMERA_AVX2_MR, NR, comera_tile_avx2, comera_dot_avx2_f32,
+     comera_dot_avx2_half, comera_widen_avx2, comera_pack_half_avx2, NULL, comera_outer_avx2},
 #endif
-    {"generic", "generic", GENERIC_MR, NR, tile_generic, NULL, widen_generic, pack_half_generic,
-     NULL, NULL},
+    {"generic", "generic", GENERIC_MR, NR, tile_generic, NULL, NULL, widen_generic,
+     pack_half_generic, NULL, NULL},
 };
 #define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 

@@ -46,6 +46,12 @@ typedef void (*comera_dot_f32)(int64_t M, int64_t N, int64_t K, const float *A, 
                                const float *Bt, int64_t ldb, float *C, int64_t ldc,
                                float *Apack);
 
+/* The same dot products with A of type h (bfloat16 or float16, row stride
+ * lda) widened in registers as it is read; C float32. */
+typedef void (*comera_dot_half_fn)(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                                   int64_t lda, const float *Bt, int64_t ldb, float *C,
+                                   int64_t ldc);
+
 /* A bfloat16 product on bfloat16-pair kernels: C (M x N; float32, or
  * bfloat16 with ct) (+)= A Bp, A bfloat16 row-major (row stride lda, K
  * contiguous), Bp packed by comera_amx_pack_* (common/gemm_amx.c). */
@@ -66,6 +72,9 @@ typedef struct comera_gemm_variant {
     int nr;           /* columns per tile: a multiple of COMERA_GEMM_NR */
     comera_tile_f32 tile;
     comera_dot_f32 dot; /* common/gemm_dot.c, or NULL: a plain loop, never chosen */
+    /* dot with a 16-bit A read as it lies, or NULL: A widened row group by
+     * row group into scratch first */
+    comera_dot_half_fn dot_half;
     comera_widen_fn widen;
     comera_pack_half_fn pack_half;
     /* bfloat16 products on AMX tiles or VDPBF16PS tiles, or NULL: on the
@@ -105,6 +114,8 @@ void comera_dot_avx2_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_
                          const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
 void comera_dot_avx512_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                            const float *Bt, int64_t ldb, float *C, int64_t ldc, float *Apack);
+void comera_dot_avx2_half(int h, int64_t M, int64_t N, int64_t K, const uint16_t *A,
+                          int64_t lda, const float *Bt, int64_t ldb, float *C, int64_t ldc);
 
 /* The AMX side (common/gemm_amx.c).  comera_amx_usable: the CPU has AMX-BF16
  * and AVX512-BF16 and Linux lets this process use the tile registers (asked
