@@ -44,13 +44,7 @@ static inline void avx2_put(__m256 v, void *C, int64_t at, int accumulate, int c
 __attribute__((target("avx2,fma,f16c")))
 void comera_widen_avx2(int dt, const uint16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
-        __m256 v = dt == COMERA_DT_F16
-                       ? _mm256_cvtph_ps(h)
-                       : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_storeu_ps(dst + i, v);
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, comera_avx2_load8(dt, src, i));
     for (; i < n; i++) dst[i] = comera_half_to_f32(dt, src[i]);
 }
 
