@@ -287,7 +287,7 @@ def targets(rows, bf16_rows):
     for name, want, cases in checks:
         if cases:
             got, where = min(cases)
-            out.append({"name": name, "want": f">= {want}", "got": round(got, 3),
+            out.append({"name": name, "want": f">= {want}", "got": round(got, 2),
                         "worst_case": where, "met": got >= want})
     return out
 
